@@ -1,0 +1,44 @@
+"""The matched baseline: LLaMA-style grouped-query softmax attention (no biases, RoPE)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from diffattn.attention.common import AttentionMaps, merge_heads, split_heads
+from diffattn.attention.kernels import AttentionMask, softmax_attention
+from diffattn.config import ModelConfig
+from diffattn.layers import apply_rotary
+
+
+class BaselineAttention(nn.Module):
+    """``softmax(QKᵀ/√d) V`` over ``n_heads`` query and ``n_kv_heads`` key/value heads."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_index = layer_index
+        d, h, h_kv = config.dim_per_head, config.n_heads, config.num_kv_heads
+        self.head_dim, self.n_heads, self.n_kv_heads = d, h, h_kv
+        self.scale = d**-0.5
+        self.q_proj = nn.Linear(config.d_model, h * d, bias=False)
+        self.k_proj = nn.Linear(config.d_model, h_kv * d, bias=False)
+        self.v_proj = nn.Linear(config.d_model, h_kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, config.d_model, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: AttentionMask,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, AttentionMaps | None]:
+        style = self.config.rope_style
+        q = apply_rotary(split_heads(self.q_proj(x), self.n_heads), *rope, style)
+        k = apply_rotary(split_heads(self.k_proj(x), self.n_kv_heads), *rope, style)
+        v = split_heads(self.v_proj(x), self.n_kv_heads)
+        out, probs = softmax_attention(
+            q, k, v, mask, self.scale, self.config.backend, need_weights
+        )
+        maps = AttentionMaps(diff=probs) if need_weights else None
+        return self.o_proj(merge_heads(out)), maps

@@ -1,0 +1,37 @@
+"""Pieces shared by the three attention modules: head reshapes and the maps they return."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``(B, N, n_heads·w)`` → ``(B, n_heads, N, w)``."""
+    bsz, n, _ = x.shape
+    return x.view(bsz, n, n_heads, -1).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """``(B, H, N, w)`` → ``(B, N, H·w)``."""
+    bsz, h, n, w = x.shape
+    return x.transpose(1, 2).reshape(bsz, n, h * w)
+
+
+@dataclass
+class AttentionMaps:
+    """Attention maps of one layer, returned when ``need_weights`` is set.
+
+    Attributes:
+        diff: the map actually applied to V, ``(B, H_out, N, S)``: softmax A for the baseline,
+            ``A1 − λ·A2`` for DIFF V1 and V2.
+        a1, a2: the two softmax maps (DIFF only), ``(B, H_out, N, S)``.
+        lam: λ: a 0-d tensor for V1 (shared by heads), ``(B, H_out, N, 1)`` for V2 (per
+            token and head); ``None`` for the baseline.
+    """
+
+    diff: torch.Tensor
+    a1: torch.Tensor | None = None
+    a2: torch.Tensor | None = None
+    lam: torch.Tensor | None = None

@@ -1,0 +1,89 @@
+"""DIFF V1: multi-head differential attention, Eq.1–3 of the paper and nothing else.
+
+Layout (adjacent pairs, as in the official code): the ``n_heads`` query half-heads of width d
+pair up as (Q1, Q2) = (2j, 2j+1) for differential head j; the ``n_kv_heads`` key half-heads
+pair up as (K1, K2) = (2g, 2g+1) for KV group g; V has ``n_kv_heads / 2`` heads of width 2d.
+
+GQA semantics (the same on every backend): differential head j belongs to KV group
+g = j // (H / H_kv); its first map reads K1_g, its second map reads K2_g, and both read V_g.
+This is what Microsoft's flash modules compute. Microsoft's naive module instead repeats the
+interleaved key heads, so under GQA both maps of a head read the *same* key head; with MHA the
+two agree.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from diffattn.attention.common import AttentionMaps, merge_heads, split_heads
+from diffattn.attention.kernels import AttentionMask, differential_attention
+from diffattn.config import ModelConfig
+from diffattn.layers import RMSNorm, apply_rotary
+
+
+class DiffAttentionV1(nn.Module):
+    """Eq.3: ``Concat((1 − λ_init)·RMSNorm(DiffAttn_j(X))) W_O`` with λ from Eq.2."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_index = layer_index
+        d = config.dim_per_head
+        self.head_dim = d
+        self.n_heads = config.n_heads // 2  # differential heads H
+        self.n_kv_heads = config.num_kv_heads // 2  # KV groups H_kv
+        self.scale = d**-0.5
+        self.lambda_init = config.lambda_init_for_layer(layer_index)
+        self.q_proj = nn.Linear(config.d_model, config.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(config.d_model, config.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(config.d_model, config.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(config.n_heads * d, config.d_model, bias=False)
+        # Eq.2 re-parameterisation: four vectors of width d, λ itself is evaluated in fp32.
+        self.lambda_q1 = nn.Parameter(torch.empty(d))
+        self.lambda_k1 = nn.Parameter(torch.empty(d))
+        self.lambda_q2 = nn.Parameter(torch.empty(d))
+        self.lambda_k2 = nn.Parameter(torch.empty(d))
+        self.head_norm = (
+            RMSNorm(2 * d, config.head_norm_eps, learnable=config.head_norm_learnable)
+            if config.head_norm
+            else None
+        )
+        self.reset_lambda()
+
+    def reset_lambda(self) -> None:
+        """λ vectors ~ N(0, lambda_std²), as in the official code."""
+        with torch.no_grad():
+            for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+                p.normal_(0.0, self.config.lambda_std)
+
+    def lambda_full(self) -> torch.Tensor:
+        """Eq.2: λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init, computed in fp32 (0-d tensor)."""
+        dot1 = torch.sum(self.lambda_q1.float() * self.lambda_k1.float())
+        dot2 = torch.sum(self.lambda_q2.float() * self.lambda_k2.float())
+        return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: AttentionMask,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, AttentionMaps | None]:
+        style = self.config.rope_style
+        q = apply_rotary(split_heads(self.q_proj(x), 2 * self.n_heads), *rope, style)
+        k = apply_rotary(split_heads(self.k_proj(x), 2 * self.n_kv_heads), *rope, style)
+        v = split_heads(self.v_proj(x), self.n_kv_heads)  # (B, H_kv, N, 2d)
+        q1, q2 = q[:, 0::2], q[:, 1::2]
+        k1, k2 = k[:, 0::2], k[:, 1::2]
+        lam = self.lambda_full()
+        out, maps = differential_attention(
+            q1, q2, k1, k2, v, lam, mask, self.scale, self.config.backend, need_weights
+        )
+        if self.head_norm is not None:
+            out = self.head_norm(out) * (1.0 - self.lambda_init)
+        result = None
+        if need_weights:
+            a1, a2 = maps
+            result = AttentionMaps(diff=a1 - lam * a2, a1=a1, a2=a2, lam=lam.detach())
+        return self.o_proj(merge_heads(out)), result

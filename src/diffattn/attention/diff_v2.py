@@ -1,0 +1,79 @@
+"""DIFF V2 (blog "Differential Transformer V2", section "Code").
+
+2h query heads of width d, interleaved so that pair (2i, 2i+1) lies in one GQA group and so
+reads the same K and V; k and v keep the baseline's h_kv heads. One ordinary softmax-attention
+call, then ``out_i = o_{2i} − sigmoid(x W_λ)_i · o_{2i+1}`` with a token-wise, head-wise λ.
+No per-head norm; W_O reads h·d channels exactly as in the baseline, so the KV cache has the
+baseline's size.
+
+Ablation switches (blog, "Design Ablations"): ``v2_paired_heads=False`` subtracts head i+h from
+head i (different GQA groups), ``v2_use_lambda=False`` drops λ, ``v2_lambda_sigmoid=False`` uses
+the projected λ without the sigmoid.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from diffattn.attention.common import AttentionMaps, merge_heads, split_heads
+from diffattn.attention.kernels import AttentionMask, softmax_attention
+from diffattn.config import ModelConfig
+from diffattn.layers import apply_rotary
+
+
+class DiffAttentionV2(nn.Module):
+    """DIFF V2 attention with ``n_heads`` output heads and ``2·n_heads`` query heads."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_index = layer_index
+        d = config.dim_per_head
+        self.head_dim = d
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.num_kv_heads
+        self.scale = d**-0.5
+        self.q_proj = nn.Linear(config.d_model, 2 * self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(config.d_model, self.n_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(config.d_model, self.n_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, config.d_model, bias=False)
+        self.lambda_proj = (
+            nn.Linear(config.d_model, self.n_heads, bias=False) if config.v2_use_lambda else None
+        )
+
+    def token_lambda(self, x: torch.Tensor) -> torch.Tensor | None:
+        """λ = sigmoid(x W_λ), shape ``(B, h, N, 1)``; raw projection or ``None`` in ablations."""
+        if self.lambda_proj is None:
+            return None
+        lam = self.lambda_proj(x).transpose(1, 2).unsqueeze(-1)
+        return torch.sigmoid(lam) if self.config.v2_lambda_sigmoid else lam
+
+    def _pair(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.config.v2_paired_heads:
+            return t[:, 0::2], t[:, 1::2]
+        return t[:, : self.n_heads], t[:, self.n_heads :]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: AttentionMask,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, AttentionMaps | None]:
+        style = self.config.rope_style
+        q = apply_rotary(split_heads(self.q_proj(x), 2 * self.n_heads), *rope, style)
+        k = apply_rotary(split_heads(self.k_proj(x), self.n_kv_heads), *rope, style)
+        v = split_heads(self.v_proj(x), self.n_kv_heads)
+        attn, probs = softmax_attention(
+            q, k, v, mask, self.scale, self.config.backend, need_weights
+        )
+        o1, o2 = self._pair(attn)
+        lam = self.token_lambda(x)
+        out = o1 - o2 if lam is None else o1 - lam.to(o2.dtype) * o2
+        maps = None
+        if need_weights:
+            a1, a2 = self._pair(probs)
+            lam_maps = torch.ones_like(a1[..., :1]) if lam is None else lam.float()
+            maps = AttentionMaps(diff=a1 - lam_maps * a2, a1=a1, a2=a2, lam=lam_maps.detach())
+        return self.o_proj(merge_heads(out)), maps

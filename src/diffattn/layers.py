@@ -1,0 +1,100 @@
+"""Building blocks shared by every model: RMSNorm, SwiGLU and rotary position embeddings."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich, 2019): ``x / sqrt(mean(x²) + eps) * weight``, in fp32."""
+    dtype = x.dtype
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, optionally with a learnable weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, learnable: bool = True) -> None:
+        super().__init__()
+        self.dim = dim
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim)) if learnable else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, learnable={self.weight is not None}"
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU feed-forward of DIFF V1 Eq.5: ``(swish(X W_G) ⊙ X W_1) W_2``."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al., 2021) for heads of width ``dim``.
+
+    ``style="half"`` rotates the two halves of each head (LLaMA / Hugging Face convention);
+    ``style="interleaved"`` rotates adjacent channel pairs (GPT-J, Microsoft's DIFF code).
+    """
+
+    def __init__(self, dim: int, theta: float = 10000.0, style: str = "half") -> None:
+        super().__init__()
+        if style not in ("half", "interleaved"):
+            raise ValueError(f"unknown RoPE style {style!r}; choose 'half' or 'interleaved'")
+        self.dim = dim
+        self.theta = theta
+        self.style = style
+        self.register_buffer("inv_freq", torch.empty(dim // 2), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """(Re)compute ``inv_freq``; needed after building on the meta device."""
+        if self.inv_freq.is_meta:
+            return  # materialise with to_empty() first, then call this again
+        exponent = torch.arange(0, self.dim, 2, dtype=torch.float64, device="cpu") / self.dim
+        inv_freq = (1.0 / (self.theta**exponent)).to(torch.float32)
+        with torch.no_grad():
+            self.inv_freq.copy_(inv_freq.to(self.inv_freq.device))
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape ``(B, N, dim)`` (fp32) for integer ``positions`` ``(B, N)``."""
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq.float()
+        if self.style == "half":
+            angles = torch.cat((angles, angles), dim=-1)
+        else:
+            angles = torch.repeat_interleave(angles, 2, dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+    """Rotate ``x`` of shape ``(B, H, N, d)`` by ``cos``/``sin`` of shape ``(B, N, d)``."""
+    cos = cos[:, None].to(x.dtype)
+    sin = sin[:, None].to(x.dtype)
+    if style == "half":
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+    else:
+        pairs = x.unflatten(-1, (-1, 2))
+        rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return x * cos + rotated * sin

@@ -1,0 +1,202 @@
+"""DiffTransformerLM: the LLaMA-style decoder of DIFF V1 §2.2 with a pluggable attention.
+
+Layer l (Eq.4–5): ``Y = Attn(RMSNorm(X)) + X``; ``X' = SwiGLU(RMSNorm(Y)) + Y``. Then a final
+RMSNorm and the LM head (optionally tied to the embedding).
+
+Initialisation (``init_weights``): every Linear and the embedding ~ N(0, init_std²); the two
+residual output projections of each block (``attn.o_proj``, ``ffn.down_proj``) use
+``init_std / sqrt(2·n_layers)`` (GPT-2 style depth scaling); norms are 1; DIFF V1's λ vectors
+~ N(0, lambda_std²) as in the official code. ``init_weights`` also recomputes buffers (RoPE),
+so a model built on the meta device is usable after ``to_empty`` + ``init_weights``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffattn.attention import AttentionMaps, AttentionMask, build_attention
+from diffattn.attention.diff_v1 import DiffAttentionV1
+from diffattn.config import ModelConfig
+from diffattn.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class CausalLMOutput:
+    """What :meth:`DiffTransformerLM.forward` returns.
+
+    Attributes:
+        logits: ``(B, N, vocab)``.
+        loss: mean next-token cross-entropy over labels ``!= -100`` (``None`` without labels).
+        attentions: per layer, the map applied to V, ``(B, H_out, N, N)``: softmax for the
+            baseline, the differential map ``A1 − λA2`` for DIFF V1/V2.
+        attention_maps: per layer, an :class:`AttentionMaps` with A1, A2 and λ as well.
+        hidden_states: ``n_layers + 1`` tensors ``(B, N, d_model)``: the embeddings, the
+            outputs of blocks 1…L−1, and the final normed state (Hugging Face convention).
+    """
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+    attention_maps: tuple[AttentionMaps, ...] | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block: attention and SwiGLU, each with a residual connection (Eq.4–5)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = build_attention(config, layer_index)
+        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.ffn = SwiGLU(config.d_model, config.ffn_dim)
+
+    def forward(self, x, rope, mask, need_weights=False):
+        attn_out, maps = self.attn(self.attn_norm(x), rope, mask, need_weights)
+        x = x + attn_out
+        x = x + self.ffn(self.ffn_norm(x))
+        return x, maps
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that count real tokens only: ``cumsum(mask) − 1``, clamped at 0.
+
+    With left padding this gives each real token the position it has in the unpadded
+    sequence, which makes padded and unpadded outputs identical.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+class DiffTransformerLM(nn.Module):
+    """Decoder-only language model with baseline, DIFF V1 or DIFF V2 attention."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.rotary = RotaryEmbedding(config.dim_per_head, config.rope_theta, config.rope_style)
+        if config.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if not self.embed_tokens.weight.is_meta:
+            self.init_weights()
+
+    # ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """(Re)initialise every parameter and buffer as described in the module docstring."""
+        cfg = self.config
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_residual = name.endswith("attn.o_proj") or name.endswith("ffn.down_proj")
+                std = residual_std if is_residual else cfg.init_std
+                module.weight.normal_(0.0, std, generator=generator)
+            elif isinstance(module, nn.Embedding):
+                module.weight.normal_(0.0, cfg.init_std, generator=generator)
+            elif isinstance(module, RMSNorm | RotaryEmbedding):
+                module.reset_parameters()
+            elif isinstance(module, DiffAttentionV1):
+                for p in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
+                    p.normal_(0.0, cfg.lambda_std, generator=generator)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count (tied weights once). ``exclude_embeddings`` drops the input
+        embedding, so an untied model counts one embedding matrix (its LM head)."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.embed_tokens.weight.numel()
+        return total
+
+    # ------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+    ) -> CausalLMOutput:
+        """Run the model.
+
+        Args:
+            input_ids: ``(B, N)`` token ids.
+            attention_mask: optional ``(B, N)``, 1 for real tokens and 0 for padding (left or
+                right). Real tokens get the outputs they would get without padding.
+            labels: optional ``(B, N)``; the loss predicts ``labels[:, 1:]`` from positions
+                ``:-1``; ``-100`` is ignored (set it on padding).
+            output_attentions: also return the per-layer maps. This computes attention with
+                the explicit ``reference`` kernel for this call, whatever the backend.
+            output_hidden_states: also return the hidden states.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape (batch, seq_len), got "
+                             f"{tuple(input_ids.shape)}")
+        bsz, n = input_ids.shape
+        if n > self.config.max_seq_len:
+            raise ValueError(f"sequence length {n} exceeds max_seq_len="
+                             f"{self.config.max_seq_len} of this model")
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not "
+                                 f"match input_ids shape {tuple(input_ids.shape)}")
+            positions = position_ids_from_mask(attention_mask)
+            padding = attention_mask.bool()
+            mask = AttentionMask(key_padding=None if bool(padding.all()) else padding)
+        else:
+            positions = torch.arange(n, device=input_ids.device).expand(bsz, n)
+            mask = AttentionMask()
+
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)
+        hidden = [x] if output_hidden_states else None
+        maps = [] if output_attentions else None
+        for block in self.layers:
+            x, layer_maps = block(x, rope, mask, output_attentions)
+            if output_attentions:
+                maps.append(layer_maps)
+            if output_hidden_states:
+                hidden.append(x)
+        x = self.norm(x)
+        if output_hidden_states:
+            hidden[-1] = x
+        logits = F.linear(x, self.output_weight)
+
+        loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} does not match "
+                                 f"input_ids shape {tuple(input_ids.shape)}")
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                labels[:, 1:].reshape(-1),
+                ignore_index=IGNORE_INDEX,
+            )
+        return CausalLMOutput(
+            logits=logits,
+            loss=loss,
+            attentions=tuple(m.diff for m in maps) if maps is not None else None,
+            attention_maps=tuple(maps) if maps is not None else None,
+            hidden_states=tuple(hidden) if hidden is not None else None,
+        )
+
+
+def count_parameters(config: ModelConfig, exclude_embeddings: bool = False) -> int:
+    """Parameter count of ``DiffTransformerLM(config)``, built on the meta device (free)."""
+    with torch.device("meta"):
+        model = DiffTransformerLM(config)
+    return model.num_parameters(exclude_embeddings=exclude_embeddings)
