@@ -1,0 +1,115 @@
+"""FLOP counts per token and the throughput bound they imply.
+
+Counted from the projection shapes of a :class:`~diffattn.config.ModelConfig` (a matmul of
+an ``m``-wide input into ``n`` outputs costs ``2·m·n`` FLOPs per token):
+
+* **linear**, per layer: W_Q, W_K, W_V, W_O at their real widths (GQA, DIFF V2's doubled W_Q),
+  DIFF V2's W_λ (d_model → h), and the SwiGLU's three matrices (``3·d_model·d_ff``).
+* **attention**, per layer, under causal masking (a query reads ≈ N/2 keys on average):
+  ``QKᵀ`` costs ``2·d·N/2`` per query head and map, ``AV`` costs ``2·d_v·N/2``.
+
+  - baseline: ``n_heads`` heads of width d: ``2·N·n_heads·d`` (= ``2·N·d_model``).
+  - DIFF V1, QK once (each map against the full 2d-wide V): ``n_heads/2`` heads with two
+    maps each, ``2·(N·d) + 2·(N·2d)``: ``3·N·n_heads·d``.
+  - DIFF V1, split-V two-call form (each map once per d-wide half of V, so QKᵀ is computed
+    twice; the flash backend and HF DiffLlama): ``4·N·n_heads·d``.
+  - DIFF V2: ``2·n_heads`` query heads of width d, values of width d: ``4·N·n_heads·d``.
+* **LM head**: ``2·d_model·vocab``.
+
+Norms, RoPE, softmax and other elementwise work are left out. Backward costs twice the
+forward, so a training step costs three forwards and the bound is the same in both modes.
+The ratio ``flops(baseline) / flops(model)`` is the best throughput ratio a model can reach.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from diffattn.config import ModelConfig
+
+V1Form = Literal["qk_once", "two_call"]
+V1_FORMS: tuple[str, ...] = ("qk_once", "two_call")
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """Forward FLOPs per token, summed over all layers, by part."""
+
+    linear: float
+    attention: float
+    lm_head: float
+
+    @property
+    def forward(self) -> float:
+        """Forward FLOPs per token."""
+        return self.linear + self.attention + self.lm_head
+
+    @property
+    def training(self) -> float:
+        """Forward plus backward FLOPs per token (backward = 2× forward)."""
+        return 3.0 * self.forward
+
+
+def linear_flops_per_layer(config: ModelConfig) -> float:
+    """Forward FLOPs per token of one block's projections (attention and SwiGLU)."""
+    d, h, h_kv = config.dim_per_head, config.n_heads, config.num_kv_heads
+    widths = config.n_query_heads * d + 2 * h_kv * d  # W_Q, W_K, W_V outputs
+    widths += h * d  # W_O input: n_heads·d channels in every type
+    if config.attention == "diff_v2" and config.v2_use_lambda:
+        widths += h  # W_λ: d_model -> n_heads
+    widths += 3 * config.ffn_dim  # SwiGLU gate, up and down
+    return 2.0 * config.d_model * widths
+
+
+def attention_flops_per_layer(
+    config: ModelConfig, seq_len: int, v1_form: V1Form = "qk_once"
+) -> float:
+    """Forward FLOPs per token of one layer's causal attention (≈ ``seq_len/2`` keys)."""
+    if v1_form not in V1_FORMS:
+        raise ValueError(f"v1_form must be one of {', '.join(V1_FORMS)}, got {v1_form!r}")
+    d, keys = config.dim_per_head, seq_len / 2
+    per_map = 2.0 * d * keys  # QKᵀ of one query head of width d
+    if config.attention == "baseline":
+        return config.n_heads * (per_map + 2.0 * d * keys)
+    if config.attention == "diff_v2":
+        return config.n_query_heads * (per_map + 2.0 * d * keys)
+    pairs = config.n_heads // 2  # DIFF V1 differential heads, two maps each, V of width 2d
+    if v1_form == "qk_once":
+        return pairs * 2 * (per_map + 2.0 * (2 * d) * keys)
+    return pairs * 2 * 2 * (per_map + 2.0 * d * keys)  # one call per map and V half
+
+
+def flops_per_token(
+    config: ModelConfig, seq_len: int, v1_form: V1Form = "qk_once"
+) -> FlopCount:
+    """Forward FLOPs per token of ``DiffTransformerLM(config)`` at sequence length ``seq_len``.
+
+    ``v1_form`` chooses how DIFF V1's attention is counted (ignored for other types).
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    layers = config.n_layers
+    return FlopCount(
+        linear=layers * linear_flops_per_layer(config),
+        attention=layers * attention_flops_per_layer(config, seq_len, v1_form),
+        lm_head=2.0 * config.d_model * config.vocab_size,
+    )
+
+
+def throughput_bound(
+    config: ModelConfig,
+    baseline: ModelConfig,
+    seq_len: int,
+    v1_form: V1Form = "qk_once",
+) -> float:
+    """Best throughput ratio ``model / baseline`` the FLOP counts allow (same in both modes)."""
+    return (
+        flops_per_token(baseline, seq_len).forward
+        / flops_per_token(config, seq_len, v1_form).forward
+    )
+
+
+def v1_form_for_kernel(kernel: str) -> V1Form:
+    """How DIFF V1 runs on a resolved kernel: ``flash`` splits V into two calls per map."""
+    return "two_call" if kernel == "flash" else "qk_once"

@@ -1,0 +1,63 @@
+"""The ``diffattn`` command line: ``diffattn <verb> ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _presets_command(args: argparse.Namespace) -> int:
+    from diffattn import count_parameters, presets
+
+    names = [args.name] if args.name else presets.names()
+    header = f"{'preset':>7} {'baseline':>15} {'diff_v1':>15} {'diff_v2':>15} {'v2 matched':>15}"
+    print(header)
+    for name in names:
+        counts = [
+            count_parameters(presets.get(name, attention=attention))
+            for attention in ("baseline", "diff_v1", "diff_v2")
+        ]
+        counts.append(count_parameters(presets.get(name, "diff_v2", match_params=True)))
+        print(f"{name:>7} " + " ".join(f"{c:>15,}" for c in counts))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from diffattn import __version__
+    from diffattn.bench import throughput
+
+    parser = argparse.ArgumentParser(
+        prog="diffattn",
+        description="Differential Transformers (DIFF V1, DIFF V2) next to a matched baseline.",
+    )
+    parser.add_argument("--version", action="version", version=f"diffattn {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    bench = verbs.add_parser(
+        "bench",
+        help="throughput and peak memory of baseline, DIFF V1 and DIFF V2 at matched size",
+        description="Times forward and forward+backward of baseline, DIFF V1 and DIFF V2 "
+        "(and HF DiffLlama / Llama when transformers is installed), interleaved in one run.",
+    )
+    throughput.add_arguments(bench)
+    bench.set_defaults(handler=throughput.run)
+
+    sizes = verbs.add_parser("presets", help="list presets with parameter counts per type")
+    sizes.add_argument("name", nargs="?", help="one preset (default: all)")
+    sizes.set_defaults(handler=_presets_command)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except ValueError as error:  # invalid settings: one clear message, exit code 2
+        print(f"diffattn {args.verb}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
