@@ -113,7 +113,7 @@ class ModelConfig:
     def _fail(self, field_name: str, message: str) -> None:
         raise ValueError(f"ModelConfig.{field_name}: {message}")
 
-    def _validate(self) -> None:  # noqa: C901 - a flat list of checks reads best
+    def _validate(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len",
                      "ffn_multiple_of"):
             value = getattr(self, name)
