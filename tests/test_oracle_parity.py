@@ -7,6 +7,14 @@ with the oracle evaluated in fp64 on the same parameters:
 * logits on real (non-pad) tokens: ``max|a - b| / max|b|``;
 * the gradient of every named parameter of one scalar loss, ``sum(logits * W)`` over real tokens
   with a fixed random ``W``: ``||g - g_ref|| / ||g_ref||``.
+
+DIFF V1's λ vectors are the one exception to a flat relative tolerance. λ is one scalar per layer
+(Eq.2), so their gradients are ``dL/dλ · ∂λ/∂λ_*`` where ``dL/dλ`` sums one term per query, head
+and channel (``−dL/dhead ⊙ A2 V``). Those terms often cancel (the per-head RMSNorm of Eq.3 is
+scale invariant, so for a query that sees a single key they cancel exactly), and fp32 can only
+be expected to get such a sum right relative to the sum of the magnitudes of its terms. The
+oracle reports the terms (``lambda_probes``), and these gradients are checked against
+``tol · Σ|terms| / |Σ terms|`` (the condition number of that sum, at least 1).
 """
 
 from __future__ import annotations
@@ -37,6 +45,15 @@ TINY = dict(
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny tensors: intra-op threading only adds overhead (and stalls on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def make_config(attention: str, backend: str, ratio: int = 1, **changes) -> diffattn.ModelConfig:
@@ -77,7 +94,11 @@ def build_model(cfg: diffattn.ModelConfig, seed: int = 0) -> diffattn.DiffTransf
 
 
 def make_batch(n: int, padding: str, vocab: int, seed: int = 0):
-    """``(input_ids (2, n), attention_mask or None)``; row 1 padded by ``PAD`` on one side."""
+    """``(input_ids (2, n), attention_mask or None)``; row 1 padded by ``PAD`` on one side.
+
+    ``"gaps"``: row 0 has one pad token in front and one in the middle, row 1 two runs of pads
+    inside the sequence (RoPE positions count real tokens only, so the gaps shift positions).
+    """
     gen = torch.Generator().manual_seed(1000 + seed)
     ids = torch.randint(1, vocab, (2, n), generator=gen)
     if padding == "none":
@@ -87,6 +108,10 @@ def make_batch(n: int, padding: str, vocab: int, seed: int = 0):
         mask[1, :PAD] = 0
     elif padding == "right":
         mask[1, n - PAD :] = 0
+    elif padding == "gaps":
+        mask[0, [0, n // 2]] = 0
+        mask[1, 3:5] = 0
+        mask[1, n - 6 : n - 5] = 0
     else:
         raise ValueError(padding)
     ids = ids.masked_fill(mask == 0, 0)
@@ -118,6 +143,26 @@ def zero_grad_params(cfg: diffattn.ModelConfig, ids: torch.Tensor) -> set[str]:
     }
 
 
+def lambda_tolerances(ref_params, probes, tol: float) -> dict[str, float]:
+    """Tolerance of V1's λ-vector gradients: ``tol`` times the condition number of ``dL/dλ``.
+
+    Also checks that the probe terms add up to the oracle's ``dL/dλ`` (via
+    ``∂λ/∂λ_q1 = exp(λ_q1·λ_k1) λ_k1``), so the condition number is measured on the right sum.
+    """
+    out = {}
+    for l, probe in probes.items():
+        a = f"layers.{l}.attn"
+        terms = probe.grad
+        dl_dlam = terms.sum()
+        lq1, lk1 = ref_params[f"{a}.lambda_q1"], ref_params[f"{a}.lambda_k1"]
+        expected = dl_dlam * torch.exp((lq1 * lk1).sum()).detach() * lk1.detach()
+        torch.testing.assert_close(lq1.grad, expected, rtol=1e-9, atol=1e-12)
+        cond = (terms.abs().sum() / dl_dlam.abs().clamp_min(1e-300)).item()
+        for v in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            out[f"{a}.{v}"] = tol * max(1.0, cond)
+    return out
+
+
 def check_parity(cfg: diffattn.ModelConfig, n: int, padding: str, seed: int = 0) -> None:
     """Logits and every parameter gradient of the model against the fp64 oracle."""
     device, dtype, tol = device_and_dtype(cfg.backend)
@@ -135,8 +180,18 @@ def check_parity(cfg: diffattn.ModelConfig, n: int, padding: str, seed: int = 0)
 
     # oracle, fp64 on CPU, same parameter values
     ref_params = {k: p.detach().cpu().double().requires_grad_() for k, p in named.items()}
-    ref_logits = oracle_forward(cfg, ref_params, ids, mask)
+    probes = None
+    if cfg.attention == "diff_v1":
+        shape = (*ids.shape[:1], cfg.n_heads // 2, ids.shape[1], 2 * cfg.dim_per_head)
+        probes = {
+            l: torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+            for l in range(cfg.n_layers)
+        }
+    ref_logits = oracle_forward(cfg, ref_params, ids, mask, lambda_probes=probes)
     (ref_logits * loss_w.double()).sum().backward()
+    grad_tol = {name: tol for name in named}
+    if probes is not None:
+        grad_tol.update(lambda_tolerances(ref_params, probes, tol))
 
     assert logits.shape == ref_logits.shape == (*ids.shape, cfg.vocab_size)
     err = rel_max(logits[real].double(), ref_logits.detach()[real])
@@ -146,6 +201,7 @@ def check_parity(cfg: diffattn.ModelConfig, n: int, padding: str, seed: int = 0)
     failures = []
     for name, p in named.items():
         assert p.grad is not None, f"{name}: no gradient"
+        assert ref_params[name].grad is not None, f"{name}: the oracle does not use it"
         g, g_ref = p.grad.detach().double().cpu(), ref_params[name].grad
         if name in vanishing:
             # exact zero in exact arithmetic: the model's gradient must be negligible
@@ -156,9 +212,9 @@ def check_parity(cfg: diffattn.ModelConfig, n: int, padding: str, seed: int = 0)
         assert g_ref.norm() > 0, f"{name}: oracle gradient is zero, test would be vacuous"
         assert g.norm() > 0, f"{name}: model gradient is zero"
         e = rel_norm(g, g_ref)
-        if not e <= tol:
-            failures.append(f"{name}: rel err {e:.3e}")
-    assert not failures, f"gradient mismatch (tol {tol:.0e}):\n" + "\n".join(failures)
+        if not e <= grad_tol[name]:
+            failures.append(f"{name}: rel err {e:.3e} > {grad_tol[name]:.1e}")
+    assert not failures, "gradient mismatch:\n" + "\n".join(failures)
 
 
 # --- the grid --------------------------------------------------------------------------------
@@ -173,8 +229,17 @@ CASES = [(1, "none")] + [(n, p) for n in (7, 64, 129) for p in ("none", "left", 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_parity_grid(attention: str, backend: str, ratio: int, n: int, padding: str) -> None:
+    """Every attention type and backend, at GQA ratios n_heads/n_kv_heads of 1, 2 and 4."""
     skip_unless_backend_runs(backend)
     check_parity(make_config(attention, backend, ratio), n, padding)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_parity_mask_with_gaps(attention: str, backend: str) -> None:
+    """Pads inside the sequence: masked as keys, and skipped by the RoPE positions."""
+    skip_unless_backend_runs(backend)
+    check_parity(make_config(attention, backend, ratio=2), n=20, padding="gaps", seed=5)
 
 
 # --- ablations and config switches (one length each) -----------------------------------------
@@ -197,6 +262,7 @@ VARIANTS = {
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_parity_variants(variant: str, backend: str) -> None:
+    """The V1/V2 ablation switches, constant λ_init, interleaved RoPE and tied embeddings."""
     skip_unless_backend_runs(backend)
     attention, changes = VARIANTS[variant]
     cfg = make_config(attention, backend, ratio=2, **changes)
@@ -221,7 +287,7 @@ def test_lambda_init_schedule_values() -> None:
     """λ_init(l) = 0.8 − 0.6·exp(−0.3·(l−1)), 1-based l (V1 Eq.2): 0.2000, 0.3555, …"""
     cfg = make_config("diff_v1", "reference")
     got = [cfg.lambda_init_for_layer(l) for l in range(4)]
-    assert got == pytest.approx([0.2, 0.35550, 0.47071, 0.55607], abs=1e-5)
+    assert got == pytest.approx([0.2, 0.35550, 0.47071, 0.55606], abs=1e-5)
     cfg = dataclasses.replace(cfg, lambda_init=0.5)
     assert cfg.lambda_init_for_layer(3) == 0.5
 

@@ -16,6 +16,7 @@ Everything runs in the dtype of the parameters; run it in fp64 for a tight refer
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -58,11 +59,30 @@ def token_positions(mask_row: Tensor | None, n: int) -> list[int]:
     return positions
 
 
-def rope(x: Tensor, positions: list[int], theta: float, style: str) -> Tensor:
-    """Rotary position embedding (Su et al., 2021) of one head ``x`` of shape ``(N, d)``.
+class Rotary(NamedTuple):
+    """cos/sin of the rotation angles ``(N, d/2)`` of one sequence, and the channel pairing."""
 
-    Frequencies ``inv_freq[i] = theta^(-2i/d)`` for ``i < d/2``; token t turns channel pair i
-    by ``angle[t, i] = position[t] * inv_freq[i]``: ``(a, b) -> (a cos - b sin, a sin + b cos)``.
+    cos: Tensor
+    sin: Tensor
+    style: str
+
+
+def rotary_table(positions: list[int], d: int, theta: float, style: str) -> Rotary:
+    """RoPE angles (Su et al., 2021): ``angle[t, i] = position[t] * theta^(-2i/d)``, ``i < d/2``.
+
+    Computed in Python double precision.
+    """
+    if style not in ("half", "interleaved"):
+        raise ValueError(f"unknown rope style {style!r}")
+    angles = [[p * theta ** (-2.0 * i / d) for i in range(d // 2)] for p in positions]
+    cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float64)
+    sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64)
+    return Rotary(cos, sin, style)
+
+
+def rope(x: Tensor, rot: Rotary) -> Tensor:
+    """Rotate one head ``x`` of shape ``(N, d)``: channel pair i of token t turns by
+    ``angle[t, i]``, ``(a, b) -> (a cos - b sin, a sin + b cos)``.
 
     * ``"half"``: pair i is channels ``(i, i + d/2)``. This equals
       ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]`` and
@@ -70,17 +90,12 @@ def rope(x: Tensor, positions: list[int], theta: float, style: str) -> Tensor:
     * ``"interleaved"``: pair i is channels ``(2i, 2i+1)``.
     """
     n, d = x.shape
-    angles = [[p * theta ** (-2.0 * i / d) for i in range(d // 2)] for p in positions]
-    cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float64)
-    sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64)
-    cos, sin = cos.to(x), sin.to(x)
-    if style == "half":
+    cos, sin = rot.cos.to(x), rot.sin.to(x)
+    if rot.style == "half":
         a, b = x[:, : d // 2], x[:, d // 2 :]
         return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
-    if style == "interleaved":
-        a, b = x[:, 0::2], x[:, 1::2]
-        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).reshape(n, d)
-    raise ValueError(f"unknown rope style {style!r}")
+    a, b = x[:, 0::2], x[:, 1::2]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).reshape(n, d)
 
 
 def allowed_keys(mask_row: Tensor | None, n: int, device: torch.device) -> Tensor:
@@ -107,7 +122,7 @@ def head_slice(w_out: Tensor, index: int, width: int) -> Tensor:
 
 
 def baseline_attention(
-    config, params: Params, prefix: str, x: Tensor, positions: list[int], allowed: Tensor
+    config, params: Params, prefix: str, x: Tensor, rot: Rotary, allowed: Tensor
 ) -> Tensor:
     """LLaMA grouped-query attention.
 
@@ -118,13 +133,12 @@ def baseline_attention(
     n_heads, n_kv = config.n_heads, config.num_kv_heads
     group = n_heads // n_kv
     wq, wk, wv = (params[f"{prefix}.{name}_proj.weight"] for name in ("q", "k", "v"))
-    theta, style = config.rope_theta, config.rope_style
-    ks = [rope(linear(x, head_slice(wk, g, d)), positions, theta, style) for g in range(n_kv)]
+    ks = [rope(linear(x, head_slice(wk, g, d)), rot) for g in range(n_kv)]
     vs = [linear(x, head_slice(wv, g, d)) for g in range(n_kv)]
     heads = []
     for i in range(n_heads):
         g = i // group
-        q = rope(linear(x, head_slice(wq, i, d)), positions, theta, style)
+        q = rope(linear(x, head_slice(wq, i, d)), rot)
         heads.append(attention_map(q, ks[g], allowed) @ vs[g])
     return linear(torch.cat(heads, dim=-1), params[f"{prefix}.o_proj.weight"])
 
@@ -143,8 +157,9 @@ def diff_v1_attention(
     prefix: str,
     layer_index: int,
     x: Tensor,
-    positions: list[int],
+    rot: Rotary,
     allowed: Tensor,
+    lambda_probe: Tensor | None = None,
 ) -> Tensor:
     """Multi-head differential attention, V1 Eq.1-3.
 
@@ -153,29 +168,31 @@ def diff_v1_attention(
     ``g = j // (H / H_kv)``: ``K1, K2`` = key half-heads ``2g, 2g+1`` and V = value head g of
     width 2d. Eq.3: ``head_j ← (1 − λ_init) · RMSNorm_2d(head_j)`` (weight shared by all heads,
     if learnable; skipped entirely when head_norm is off), output ``Concat(head_j) W_O``.
+
+    ``lambda_probe`` (optional, ``(H, N, 2d)``, zeros) is added to λ entrywise in
+    ``A1 V − λ (A2 V)``: the output does not change, and its gradient holds the individual
+    terms whose sum is ``dL/dλ``.
     """
     d = config.dim_per_head
     n_diff, n_groups = config.n_heads // 2, config.num_kv_heads // 2
     per_group = n_diff // n_groups
     wq, wk, wv = (params[f"{prefix}.{name}_proj.weight"] for name in ("q", "k", "v"))
-    theta, style = config.rope_theta, config.rope_style
     lam = diff_v1_lambda(config, params, prefix, layer_index)
     lambda_init = config.lambda_init_for_layer(layer_index)
     learnable = config.head_norm and config.head_norm_learnable
     norm_weight = params[f"{prefix}.head_norm.weight"] if learnable else None
     # Key half-heads m = 0..n_kv_heads-1 (K1 of group g is 2g, K2 is 2g+1); V heads of width 2d.
-    ks = [
-        rope(linear(x, head_slice(wk, m, d)), positions, theta, style) for m in range(2 * n_groups)
-    ]
+    ks = [rope(linear(x, head_slice(wk, m, d)), rot) for m in range(2 * n_groups)]
     vs = [linear(x, head_slice(wv, g, 2 * d)) for g in range(n_groups)]
     heads = []
     for j in range(n_diff):
         g = j // per_group
-        q1 = rope(linear(x, head_slice(wq, 2 * j, d)), positions, theta, style)
-        q2 = rope(linear(x, head_slice(wq, 2 * j + 1, d)), positions, theta, style)
+        q1 = rope(linear(x, head_slice(wq, 2 * j, d)), rot)
+        q2 = rope(linear(x, head_slice(wq, 2 * j + 1, d)), rot)
         a1 = attention_map(q1, ks[2 * g], allowed)
         a2 = attention_map(q2, ks[2 * g + 1], allowed)
-        head = (a1 - lam * a2) @ vs[g]  # Eq.1
+        lam_j = lam if lambda_probe is None else lam + lambda_probe[j]
+        head = a1 @ vs[g] - lam_j * (a2 @ vs[g])  # Eq.1: (A1 − λ A2) V
         if config.head_norm:  # Eq.3
             head = (1.0 - lambda_init) * rms_norm(head, norm_weight, config.head_norm_eps)
         heads.append(head)
@@ -183,7 +200,7 @@ def diff_v1_attention(
 
 
 def diff_v2_attention(
-    config, params: Params, prefix: str, x: Tensor, positions: list[int], allowed: Tensor
+    config, params: Params, prefix: str, x: Tensor, rot: Rotary, allowed: Tensor
 ) -> Tensor:
     """DIFF V2 (blog, "Code"): ``out_i = o_a − λ_i o_b`` over 2·n_heads softmax query heads.
 
@@ -197,13 +214,12 @@ def diff_v2_attention(
     n_query = 2 * n_out
     group = n_query // n_kv
     wq, wk, wv = (params[f"{prefix}.{name}_proj.weight"] for name in ("q", "k", "v"))
-    theta, style = config.rope_theta, config.rope_style
-    ks = [rope(linear(x, head_slice(wk, g, d)), positions, theta, style) for g in range(n_kv)]
+    ks = [rope(linear(x, head_slice(wk, g, d)), rot) for g in range(n_kv)]
     vs = [linear(x, head_slice(wv, g, d)) for g in range(n_kv)]
     o = []
     for m in range(n_query):
         g = m // group
-        q = rope(linear(x, head_slice(wq, m, d)), positions, theta, style)
+        q = rope(linear(x, head_slice(wq, m, d)), rot)
         o.append(attention_map(q, ks[g], allowed) @ vs[g])
     if config.v2_use_lambda:
         lam = linear(x, params[f"{prefix}.lambda_proj.weight"])  # (N, n_heads)
@@ -222,12 +238,19 @@ def diff_v2_attention(
 
 
 def oracle_forward(
-    config, params: Params, input_ids: Tensor, attention_mask: Tensor | None = None
+    config,
+    params: Params,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    lambda_probes: dict[int, Tensor] | None = None,
 ) -> Tensor:
     """Logits ``(B, N, V)`` of the decoder-only LM, one batch row at a time.
 
     Per layer (V1 Eq.4-5): ``Y = X + Attn(RMSNorm(X))``, ``X' = Y + SwiGLU(RMSNorm(Y))``.
     Final: ``logits = RMSNorm(X_L) @ W_lm^T`` with ``W_lm`` the embedding when tied.
+
+    ``lambda_probes`` (DIFF V1 only, optional): per layer a zero tensor ``(B, H, N, 2d)``, see
+    :func:`diff_v1_attention`.
     """
     eps = config.norm_eps
     embed = params["embed_tokens.weight"]
@@ -237,17 +260,19 @@ def oracle_forward(
     for b in range(batch):
         mask_row = None if attention_mask is None else attention_mask[b]
         positions = token_positions(mask_row, n)
+        rot = rotary_table(positions, config.dim_per_head, config.rope_theta, config.rope_style)
         allowed = allowed_keys(mask_row, n, embed.device)
         x = embed[input_ids[b]]  # (N, D)
         for layer in range(config.n_layers):
             p = f"layers.{layer}"
             h = rms_norm(x, params[f"{p}.attn_norm.weight"], eps)
             if config.attention == "baseline":
-                attn = baseline_attention(config, params, f"{p}.attn", h, positions, allowed)
+                attn = baseline_attention(config, params, f"{p}.attn", h, rot, allowed)
             elif config.attention == "diff_v1":
-                attn = diff_v1_attention(config, params, f"{p}.attn", layer, h, positions, allowed)
+                probe = None if lambda_probes is None else lambda_probes[layer][b]
+                attn = diff_v1_attention(config, params, f"{p}.attn", layer, h, rot, allowed, probe)
             elif config.attention == "diff_v2":
-                attn = diff_v2_attention(config, params, f"{p}.attn", h, positions, allowed)
+                attn = diff_v2_attention(config, params, f"{p}.attn", h, rot, allowed)
             else:
                 raise ValueError(f"unknown attention {config.attention!r}")
             x = x + attn  # Eq.4
