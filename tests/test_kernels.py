@@ -25,7 +25,7 @@ def _padding(kind: str, bsz: int, n: int) -> torch.Tensor | None:
         mask[0, : min(3, n - 1)] = False
         mask[-1, :1] = False
     elif kind == "right":
-        mask[0, max(1, n - 3):] = False
+        mask[0, max(1, n - 3) :] = False
     elif kind == "holes":
         mask[0, 1::3] = False
     return mask
@@ -34,7 +34,7 @@ def _padding(kind: str, bsz: int, n: int) -> torch.Tensor | None:
 def _real_query_rows(key_padding, n, offset):
     if key_padding is None:
         return torch.ones(1, 1, n, 1, dtype=torch.bool)
-    return key_padding[:, offset:offset + n][:, None, :, None]
+    return key_padding[:, offset : offset + n][:, None, :, None]
 
 
 SHAPES = [(1, "none")] + [
@@ -82,7 +82,7 @@ def test_sdpa_with_query_offset_matches_reference(n_new, padded):
     fast = kernels.sdpa_attention(q, k, v, mask, d**-0.5)
     assert _rel(fast, ref) <= 1e-5
     # The last query reads every real key; the first new query reads none of the later ones.
-    assert torch.all(probs[..., 0, s - n_new + 1:] == 0)
+    assert torch.all(probs[..., 0, s - n_new + 1 :] == 0)
 
 
 def test_reference_maps_are_causal_and_skip_padding():

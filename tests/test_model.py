@@ -11,8 +11,17 @@ TYPES = ["baseline", "diff_v1", "diff_v2"]
 
 
 def _config(attention: str, **overrides) -> ModelConfig:
-    fields = dict(vocab_size=64, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
-                  max_seq_len=64, attention=attention, backend="sdpa")
+    fields = dict(
+        vocab_size=64,
+        d_model=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=8,
+        max_seq_len=64,
+        attention=attention,
+        backend="sdpa",
+    )
     return ModelConfig(**{**fields, **overrides})
 
 
@@ -62,7 +71,8 @@ def test_v1_lambda_at_init_is_near_lambda_init_and_fp32():
 
 def test_v2_ablation_switches_change_parameters():
     assert "layers.0.attn.lambda_proj.weight" in dict(
-        DiffTransformerLM(_config("diff_v2")).named_parameters())
+        DiffTransformerLM(_config("diff_v2")).named_parameters()
+    )
     no_lambda = DiffTransformerLM(_config("diff_v2", v2_use_lambda=False))
     assert all("lambda" not in name for name, _ in no_lambda.named_parameters())
     no_norm = DiffTransformerLM(_config("diff_v1", head_norm=False))
@@ -79,8 +89,9 @@ def test_tied_embeddings_share_one_matrix():
 
 
 def test_init_scales_residual_projections():
-    model = DiffTransformerLM(_config("baseline", d_model=256, n_heads=8, head_dim=32,
-                                      n_layers=8, vocab_size=512))
+    model = DiffTransformerLM(
+        _config("baseline", d_model=256, n_heads=8, head_dim=32, n_layers=8, vocab_size=512)
+    )
     std_q = model.layers[0].attn.q_proj.weight.std().item()
     std_o = model.layers[0].attn.o_proj.weight.std().item()
     assert std_q == pytest.approx(0.02, rel=0.05)
@@ -103,10 +114,17 @@ def test_labels_ignore_index_and_loss_value():
     [
         (dict(input_ids=torch.zeros(4, dtype=torch.long)), "input_ids must have shape"),
         (dict(input_ids=torch.zeros(1, 65, dtype=torch.long)), "exceeds max_seq_len"),
-        (dict(input_ids=torch.zeros(1, 4, dtype=torch.long),
-              attention_mask=torch.ones(1, 5)), "attention_mask shape"),
-        (dict(input_ids=torch.zeros(1, 4, dtype=torch.long),
-              labels=torch.zeros(1, 3, dtype=torch.long)), "labels shape"),
+        (
+            dict(input_ids=torch.zeros(1, 4, dtype=torch.long), attention_mask=torch.ones(1, 5)),
+            "attention_mask shape",
+        ),
+        (
+            dict(
+                input_ids=torch.zeros(1, 4, dtype=torch.long),
+                labels=torch.zeros(1, 3, dtype=torch.long),
+            ),
+            "labels shape",
+        ),
     ],
 )
 def test_bad_input_raises_one_clear_error(kwargs, message):
@@ -119,8 +137,9 @@ def test_bad_input_raises_one_clear_error(kwargs, message):
 def test_each_type_overfits_a_tiny_batch(attention):
     """Loss falls by at least 90% within 200 AdamW steps on CPU."""
     torch.manual_seed(0)
-    cfg = _config(attention, vocab_size=32, d_model=32, n_heads=4, n_kv_heads=2,
-                  n_layers=2, max_seq_len=16)
+    cfg = _config(
+        attention, vocab_size=32, d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=16
+    )
     model = DiffTransformerLM(cfg)
     ids = torch.randint(0, 32, (2, 16))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)

@@ -114,8 +114,14 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{field_name}: {message}")
 
     def _validate(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len",
-                     "ffn_multiple_of"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "max_seq_len",
+            "ffn_multiple_of",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 self._fail(name, f"must be a positive integer, got {value!r}")
@@ -126,17 +132,26 @@ class ModelConfig:
             ):
                 self._fail(name, f"must be a positive integer or None, got {value!r}")
         if self.attention not in ATTENTION_TYPES:
-            self._fail("attention", f"unknown attention type {self.attention!r}; "
-                       f"choose one of {', '.join(ATTENTION_TYPES)}")
+            self._fail(
+                "attention",
+                f"unknown attention type {self.attention!r}; "
+                f"choose one of {', '.join(ATTENTION_TYPES)}",
+            )
         if self.backend not in BACKENDS:
-            self._fail("backend", f"unknown backend {self.backend!r}; "
-                       f"choose one of {', '.join(BACKENDS)}")
+            self._fail(
+                "backend", f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}"
+            )
         if self.rope_style not in ROPE_STYLES:
-            self._fail("rope_style", f"unknown rope style {self.rope_style!r}; "
-                       f"choose one of {', '.join(ROPE_STYLES)}")
+            self._fail(
+                "rope_style",
+                f"unknown rope style {self.rope_style!r}; choose one of {', '.join(ROPE_STYLES)}",
+            )
         if self.head_dim is None and self.d_model % self.n_heads != 0:
-            self._fail("d_model", f"d_model={self.d_model} is not divisible by "
-                       f"n_heads={self.n_heads}; set head_dim explicitly or change n_heads")
+            self._fail(
+                "d_model",
+                f"d_model={self.d_model} is not divisible by "
+                f"n_heads={self.n_heads}; set head_dim explicitly or change n_heads",
+            )
         if self.dim_per_head % 2 != 0:
             self._fail("head_dim", f"head_dim={self.dim_per_head} must be even for RoPE")
         kv = self.num_kv_heads
@@ -144,27 +159,46 @@ class ModelConfig:
             self._fail("n_kv_heads", f"n_kv_heads={kv} must divide n_heads={self.n_heads}")
         if self.attention == "diff_v1":
             if self.n_heads % 2 != 0:
-                self._fail("n_heads", f"diff_v1 pairs query heads into differential heads, so "
-                           f"n_heads must be even, got {self.n_heads}")
+                self._fail(
+                    "n_heads",
+                    f"diff_v1 pairs query heads into differential heads, so "
+                    f"n_heads must be even, got {self.n_heads}",
+                )
             if kv % 2 != 0:
-                self._fail("n_kv_heads", f"diff_v1 pairs key heads (K1, K2) and needs an even "
-                           f"n_kv_heads, got {kv}")
+                self._fail(
+                    "n_kv_heads",
+                    f"diff_v1 pairs key heads (K1, K2) and needs an even n_kv_heads, got {kv}",
+                )
         if isinstance(self.lambda_init, str):
             if self.lambda_init != "exp":
-                self._fail("lambda_init", f"must be 'exp' or a float in (0, 1), "
-                           f"got {self.lambda_init!r}")
+                self._fail(
+                    "lambda_init", f"must be 'exp' or a float in (0, 1), got {self.lambda_init!r}"
+                )
         elif isinstance(self.lambda_init, bool) or not isinstance(self.lambda_init, int | float):
-            self._fail("lambda_init", f"must be 'exp' or a float in (0, 1), "
-                       f"got {self.lambda_init!r}")
+            self._fail(
+                "lambda_init", f"must be 'exp' or a float in (0, 1), got {self.lambda_init!r}"
+            )
         elif not 0.0 < float(self.lambda_init) < 1.0:
             self._fail("lambda_init", f"must lie in (0, 1), got {self.lambda_init}")
-        for name in ("rope_theta", "norm_eps", "head_norm_eps", "init_std", "lambda_std",
-                     "ffn_multiplier"):
+        for name in (
+            "rope_theta",
+            "norm_eps",
+            "head_norm_eps",
+            "init_std",
+            "lambda_std",
+            "ffn_multiplier",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 self._fail(name, f"must be a positive number, got {value!r}")
-        for name in ("tie_embeddings", "head_norm", "head_norm_learnable", "v2_paired_heads",
-                     "v2_use_lambda", "v2_lambda_sigmoid"):
+        for name in (
+            "tie_embeddings",
+            "head_norm",
+            "head_norm_learnable",
+            "v2_paired_heads",
+            "v2_use_lambda",
+            "v2_lambda_sigmoid",
+        ):
             if not isinstance(getattr(self, name), bool):
                 self._fail(name, f"must be a bool, got {getattr(self, name)!r}")
 
@@ -211,8 +245,10 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"ModelConfig: unknown key(s) {', '.join(map(repr, unknown))}; "
-                             f"valid keys are {', '.join(sorted(known))}")
+            raise ValueError(
+                f"ModelConfig: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"valid keys are {', '.join(sorted(known))}"
+            )
         return cls(**data)
 
     def replace(self, **changes: Any) -> ModelConfig:

@@ -144,16 +144,20 @@ class DiffTransformerLM(nn.Module):
             output_hidden_states: also return the hidden states.
         """
         if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must have shape (batch, seq_len), got "
-                             f"{tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must have shape (batch, seq_len), got {tuple(input_ids.shape)}"
+            )
         bsz, n = input_ids.shape
         if n > self.config.max_seq_len:
-            raise ValueError(f"sequence length {n} exceeds max_seq_len="
-                             f"{self.config.max_seq_len} of this model")
+            raise ValueError(
+                f"sequence length {n} exceeds max_seq_len={self.config.max_seq_len} of this model"
+            )
         if attention_mask is not None:
             if attention_mask.shape != input_ids.shape:
-                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not "
-                                 f"match input_ids shape {tuple(input_ids.shape)}")
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} does not "
+                    f"match input_ids shape {tuple(input_ids.shape)}"
+                )
             positions = position_ids_from_mask(attention_mask)
             padding = attention_mask.bool()
             mask = AttentionMask(key_padding=None if bool(padding.all()) else padding)
@@ -179,8 +183,10 @@ class DiffTransformerLM(nn.Module):
         loss = None
         if labels is not None:
             if labels.shape != input_ids.shape:
-                raise ValueError(f"labels shape {tuple(labels.shape)} does not match "
-                                 f"input_ids shape {tuple(input_ids.shape)}")
+                raise ValueError(
+                    f"labels shape {tuple(labels.shape)} does not match "
+                    f"input_ids shape {tuple(input_ids.shape)}"
+                )
             loss = F.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                 labels[:, 1:].reshape(-1),

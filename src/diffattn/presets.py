@@ -29,24 +29,69 @@ CL100K_VOCAB = 100_288
 LLAMA3_VOCAB = 128_256
 
 _PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=8192, d_model=128, n_layers=2, n_heads=8, head_dim=16,
-                 max_seq_len=512),
-    "small": dict(vocab_size=8192, d_model=256, n_layers=4, n_heads=8, head_dim=32,
-                  max_seq_len=1024),
-    "0.4B": dict(vocab_size=LLAMA3_VOCAB, d_model=1024, n_layers=16, n_heads=16, n_kv_heads=4,
-                 head_dim=64, ffn_hidden=4096, max_seq_len=4096),
-    "830M": dict(vocab_size=CL100K_VOCAB, d_model=1536, n_layers=24, n_heads=16, head_dim=96,
-                 max_seq_len=2048),
-    "1.4B": dict(vocab_size=CL100K_VOCAB, d_model=2048, n_layers=24, n_heads=16, head_dim=128,
-                 max_seq_len=2048),
-    "2.8B": dict(vocab_size=CL100K_VOCAB, d_model=2560, n_layers=32, n_heads=20, head_dim=128,
-                 max_seq_len=2048),
-    "3B": dict(vocab_size=CL100K_VOCAB, d_model=3072, n_layers=28, n_heads=24, head_dim=128,
-               ffn_hidden=8192, max_seq_len=4096),
-    "6.8B": dict(vocab_size=CL100K_VOCAB, d_model=4096, n_layers=32, n_heads=32, head_dim=128,
-                 max_seq_len=2048),
-    "13.1B": dict(vocab_size=CL100K_VOCAB, d_model=5120, n_layers=40, n_heads=40, head_dim=128,
-                  max_seq_len=2048),
+    "tiny": dict(vocab_size=8192, d_model=128, n_layers=2, n_heads=8, head_dim=16, max_seq_len=512),
+    "small": dict(
+        vocab_size=8192, d_model=256, n_layers=4, n_heads=8, head_dim=32, max_seq_len=1024
+    ),
+    "0.4B": dict(
+        vocab_size=LLAMA3_VOCAB,
+        d_model=1024,
+        n_layers=16,
+        n_heads=16,
+        n_kv_heads=4,
+        head_dim=64,
+        ffn_hidden=4096,
+        max_seq_len=4096,
+    ),
+    "830M": dict(
+        vocab_size=CL100K_VOCAB,
+        d_model=1536,
+        n_layers=24,
+        n_heads=16,
+        head_dim=96,
+        max_seq_len=2048,
+    ),
+    "1.4B": dict(
+        vocab_size=CL100K_VOCAB,
+        d_model=2048,
+        n_layers=24,
+        n_heads=16,
+        head_dim=128,
+        max_seq_len=2048,
+    ),
+    "2.8B": dict(
+        vocab_size=CL100K_VOCAB,
+        d_model=2560,
+        n_layers=32,
+        n_heads=20,
+        head_dim=128,
+        max_seq_len=2048,
+    ),
+    "3B": dict(
+        vocab_size=CL100K_VOCAB,
+        d_model=3072,
+        n_layers=28,
+        n_heads=24,
+        head_dim=128,
+        ffn_hidden=8192,
+        max_seq_len=4096,
+    ),
+    "6.8B": dict(
+        vocab_size=CL100K_VOCAB,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        head_dim=128,
+        max_seq_len=2048,
+    ),
+    "13.1B": dict(
+        vocab_size=CL100K_VOCAB,
+        d_model=5120,
+        n_layers=40,
+        n_heads=40,
+        head_dim=128,
+        max_seq_len=2048,
+    ),
 }
 
 #: Sizes whose names are parameter counts from DIFF V1 Table 10.
@@ -83,13 +128,19 @@ def get(
     fields.setdefault("extra", {})
     fields["extra"] = {**fields["extra"], "preset": name}
     config = ModelConfig.from_dict(fields)
-    if match_params:
-        if config.attention != "diff_v2":
-            raise ValueError("match_params only applies to attention='diff_v2'; baseline and "
-                             "diff_v1 are matched by construction")
-        per_unit = 3 * config.d_model * config.n_layers  # one SwiGLU hidden unit, all layers
-        narrow = round(v2_extra_parameters(config) / per_unit)
-        if narrow >= config.ffn_dim:
-            raise ValueError(f"match_params: preset {name!r} has no FFN width left to give")
-        config = config.replace(ffn_hidden=config.ffn_dim - narrow)
-    return config
+    return match_v2_params(config) if match_params else config
+
+
+def match_v2_params(config: ModelConfig) -> ModelConfig:
+    """``config`` (DIFF V2) with the SwiGLU narrowed by ``round(extra / (3·d_model·n_layers))``
+    hidden units, so its parameter total matches the baseline with the same fields."""
+    if config.attention != "diff_v2":
+        raise ValueError(
+            "match_params only applies to attention='diff_v2'; baseline and "
+            "diff_v1 are matched by construction"
+        )
+    per_unit = 3 * config.d_model * config.n_layers  # one SwiGLU hidden unit, all layers
+    narrow = round(v2_extra_parameters(config) / per_unit)
+    if narrow >= config.ffn_dim:
+        raise ValueError("match_params: the FFN has no width left to give back")
+    return config.replace(ffn_hidden=config.ffn_dim - narrow)

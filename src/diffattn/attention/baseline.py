@@ -37,8 +37,6 @@ class BaselineAttention(nn.Module):
         q = apply_rotary(split_heads(self.q_proj(x), self.n_heads), *rope, style)
         k = apply_rotary(split_heads(self.k_proj(x), self.n_kv_heads), *rope, style)
         v = split_heads(self.v_proj(x), self.n_kv_heads)
-        out, probs = softmax_attention(
-            q, k, v, mask, self.scale, self.config.backend, need_weights
-        )
+        out, probs = softmax_attention(q, k, v, mask, self.scale, self.config.backend, need_weights)
         maps = AttentionMaps(diff=probs) if need_weights else None
         return self.o_proj(merge_heads(out)), maps

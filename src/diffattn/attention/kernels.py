@@ -154,11 +154,32 @@ def _roll_rows(x: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
     return torch.gather(x, 2, index)
 
 
+def match_head_widths(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero-pad q and k to V's width (or V to q's) so fused kernels accept the call.
+
+    Exact: zero channels add nothing to QKᵀ, and the caller passes the scale explicitly.
+    DIFF V1's value width is 2d; fused CPU SDPA and flash-attn need equal widths, and without
+    this PyTorch falls back to its math kernel, which materialises the N×N map. The price is
+    QKᵀ at width 2d (the FLOPs of App. A's split-V two-call form) with a single softmax.
+    """
+    dq, dv = q.shape[-1], v.shape[-1]
+    if dv > dq:
+        return F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq)), v
+    if dq > dv:
+        return q, k, F.pad(v, (0, dq - dv))
+    return q, k, v
+
+
 def _sdpa(q, k, v, scale, *, is_causal=False, attn_mask=None):
+    dv = v.shape[-1]
+    q, k, v = match_head_widths(q, k, v)
     gqa = q.shape[1] != k.shape[1]
-    return F.scaled_dot_product_attention(
+    out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
     )
+    return out[..., :dv]
 
 
 def sdpa_attention(
@@ -176,8 +197,9 @@ def sdpa_attention(
     if kind == "left" and full_square:
         # Roll each row so its real tokens come first, attend causally, roll back.
         n_pad = (~mask.key_padding.bool()).sum(dim=1)
-        out = _sdpa(_roll_rows(q, n_pad), _roll_rows(k, n_pad), _roll_rows(v, n_pad), scale,
-                    is_causal=True)
+        out = _sdpa(
+            _roll_rows(q, n_pad), _roll_rows(k, n_pad), _roll_rows(v, n_pad), scale, is_causal=True
+        )
         return _roll_rows(out, (n - n_pad) % n)
     return _sdpa(q, k, v, scale, attn_mask=mask.dense(n, s, q.device))
 
@@ -207,8 +229,15 @@ def _flash_call(q, k, v, mask: AttentionMask, scale: float) -> torch.Tensor:
     cu_k = F.pad(torch.cumsum(k_lens, 0, dtype=torch.int32), (1, 0))
     cu_q = F.pad(torch.cumsum(q_lens, 0, dtype=torch.int32), (1, 0))
     out_packed = flash_attn_varlen_func(
-        qt[q_real], kt[real], vt[real], cu_q, cu_k, int(q_lens.max()), int(k_lens.max()),
-        causal=True, softmax_scale=scale,
+        qt[q_real],
+        kt[real],
+        vt[real],
+        cu_q,
+        cu_k,
+        int(q_lens.max()),
+        int(k_lens.max()),
+        causal=True,
+        softmax_scale=scale,
     )
     out = qt.new_zeros(bsz, n, q.shape[1], v.shape[-1])
     out[q_real] = out_packed
@@ -218,13 +247,14 @@ def _flash_call(q, k, v, mask: AttentionMask, scale: float) -> torch.Tensor:
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float
 ) -> torch.Tensor:
-    """flash-attn with GQA; a value width different from the query width (DIFF V1's 2d) is
-    handled by splitting V into query-width chunks, one call each."""
-    d, dv = q.shape[-1], v.shape[-1]
-    if dv == d:
-        return _flash_call(q, k, v, mask, scale)
-    chunks = [_flash_call(q, k, part, mask, scale) for part in v.split(d, dim=-1)]
-    return torch.cat(chunks, dim=-1)
+    """flash-attn with GQA; unequal query and value widths are handled by
+    :func:`match_head_widths` up to flash-attn's head-width limit of 256, beyond it by
+    splitting V into query-width chunks (one call each)."""
+    dv = v.shape[-1]
+    if dv > 256 and dv > q.shape[-1]:
+        chunks = [_flash_call(q, k, part, mask, scale) for part in v.split(q.shape[-1], -1)]
+        return torch.cat(chunks, dim=-1)
+    return _flash_call(*match_head_widths(q, k, v), mask, scale)[..., :dv]
 
 
 # --------------------------------------------------------------------------------------
@@ -268,9 +298,10 @@ def differential_attention(
     """DIFF V1 Eq.1: ``(softmax(Q1K1ᵀ/√d) − λ softmax(Q2K2ᵀ/√d)) V`` per head.
 
     Shapes: q1, q2 ``(B, H, N, d)``; k1, k2 ``(B, Hkv, S, d)``; v ``(B, Hkv, S, 2d)``; ``lam``
-    a scalar tensor. Each softmax map is computed once against the full 2d-wide V (the
-    FlashDiffAttn_1 form of App. A), so QKᵀ is never recomputed per V half. Returns the
-    output ``(B, H, N, 2d)`` and, with ``need_weights``, the maps ``(A1, A2)``.
+    a scalar tensor. Each softmax map is taken once against the full 2d-wide V (App. A's
+    FlashDiffAttn_1 form); fused kernels see Q and K zero-padded to 2d (see
+    :func:`match_head_widths`). Returns the output ``(B, H, N, 2d)`` and, with
+    ``need_weights``, the maps ``(A1, A2)``.
     """
     o1, a1 = softmax_attention(q1, k1, v, mask, scale, backend, need_weights)
     o2, a2 = softmax_attention(q2, k2, v, mask, scale, backend, need_weights)

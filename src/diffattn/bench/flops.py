@@ -12,7 +12,8 @@ an ``m``-wide input into ``n`` outputs costs ``2·m·n`` FLOPs per token):
   - DIFF V1, QK once (each map against the full 2d-wide V): ``n_heads/2`` heads with two
     maps each, ``2·(N·d) + 2·(N·2d)``: ``3·N·n_heads·d``.
   - DIFF V1, split-V two-call form (each map once per d-wide half of V, so QKᵀ is computed
-    twice; the flash backend and HF DiffLlama): ``4·N·n_heads·d``.
+    twice; HF DiffLlama), which costs the same as QKᵀ on Q and K zero-padded to 2d (the
+    ``sdpa`` and ``flash`` backends): ``4·N·n_heads·d``.
   - DIFF V2: ``2·n_heads`` query heads of width d, values of width d: ``4·N·n_heads·d``.
 * **LM head**: ``2·d_model·vocab``.
 
@@ -80,9 +81,7 @@ def attention_flops_per_layer(
     return pairs * 2 * 2 * (per_map + 2.0 * d * keys)  # one call per map and V half
 
 
-def flops_per_token(
-    config: ModelConfig, seq_len: int, v1_form: V1Form = "qk_once"
-) -> FlopCount:
+def flops_per_token(config: ModelConfig, seq_len: int, v1_form: V1Form = "qk_once") -> FlopCount:
     """Forward FLOPs per token of ``DiffTransformerLM(config)`` at sequence length ``seq_len``.
 
     ``v1_form`` chooses how DIFF V1's attention is counted (ignored for other types).
@@ -111,5 +110,6 @@ def throughput_bound(
 
 
 def v1_form_for_kernel(kernel: str) -> V1Form:
-    """How DIFF V1 runs on a resolved kernel: ``flash`` splits V into two calls per map."""
-    return "two_call" if kernel == "flash" else "qk_once"
+    """How DIFF V1's FLOPs count on a resolved kernel: ``sdpa`` and ``flash`` zero-pad Q and K
+    to V's 2d width, which costs what the split-V two-call form costs."""
+    return "qk_once" if kernel == "reference" else "two_call"

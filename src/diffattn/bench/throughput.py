@@ -59,8 +59,12 @@ MEMORY_NOTE = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``diffattn bench`` to ``parser``."""
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
-    parser.add_argument("--d-model", type=int, default=512,
-                        help="model width, a multiple of 128 (heads of width 64, paired by V1)")
+    parser.add_argument(
+        "--d-model",
+        type=int,
+        default=512,
+        help="model width, a multiple of 128 (heads of width 64, paired by V1)",
+    )
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
     parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
@@ -68,12 +72,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
     parser.add_argument("--device", choices=DEVICES, default="cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto",
-                        help="attention backend of the diffattn models")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON array of records to stdout (progress to stderr)")
-    parser.add_argument("--no-hf", action="store_true",
-                        help="skip the Hugging Face DiffLlama and Llama models")
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="attention backend of the diffattn models",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON array of records to stdout (progress to stderr)",
+    )
+    parser.add_argument(
+        "--no-hf", action="store_true", help="skip the Hugging Face DiffLlama and Llama models"
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -90,8 +102,10 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
             return f"{option} must be an integer >= {low}{why.get(name, '')}, got {value!r}"
     d_model = args.d_model
     if not isinstance(d_model, int) or d_model < 2 * HEAD_DIM or d_model % (2 * HEAD_DIM):
-        return (f"--d-model must be a positive multiple of {2 * HEAD_DIM} (heads of width "
-                f"{HEAD_DIM}, and DIFF V1 pairs them), got {d_model!r}")
+        return (
+            f"--d-model must be a positive multiple of {2 * HEAD_DIM} (heads of width "
+            f"{HEAD_DIM}, and DIFF V1 pairs them), got {d_model!r}"
+        )
     if args.device not in DEVICES:
         return f"--device must be one of {', '.join(DEVICES)}, got {args.device!r}"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -108,21 +122,19 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
 
 
 def matched_v2(baseline: ModelConfig) -> ModelConfig:
-    """The DIFF V2 twin of ``baseline``, SwiGLU narrowed to give back V2's extra parameters.
-
-    Every field comes from ``baseline``; only ``presets.get``'s ``match_params`` narrowing
-    (built on :func:`diffattn.presets.v2_extra_parameters`) is applied.
-    """
-    fields = {**baseline.to_dict(), "attention": "diff_v2"}
-    matched = presets.get(presets.names()[0], match_params=True, **fields)
-    return matched.replace(extra=baseline.extra)
+    """The DIFF V2 twin of ``baseline``, SwiGLU narrowed to give back V2's extra parameters."""
+    return presets.match_v2_params(baseline.replace(attention="diff_v2"))
 
 
 def build_configs(args: argparse.Namespace) -> dict[str, ModelConfig]:
     """Baseline, DIFF V1 and DIFF V2 configs at matched parameters."""
     baseline = ModelConfig(
-        vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
-        n_heads=args.d_model // HEAD_DIM, max_seq_len=args.seq_len, attention="baseline",
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.d_model // HEAD_DIM,
+        max_seq_len=args.seq_len,
+        attention="baseline",
         backend=args.backend,
     )
     return {
@@ -156,8 +168,17 @@ def _our_candidates(configs, device, dtype, seq_len) -> list[Candidate]:
         model = DiffTransformerLM(config).to(device=device, dtype=dtype)
         kernel = resolve_backend(config.backend, probe)
         bound = throughput_bound(config, configs["baseline"], seq_len, v1_form_for_kernel(kernel))
-        out.append(Candidate(name, model, model.num_parameters(), kernel, "baseline", bound,
-                             lambda ids, labels, m=model: m(ids, labels=labels)))
+        out.append(
+            Candidate(
+                name,
+                model,
+                model.num_parameters(),
+                kernel,
+                "baseline",
+                bound,
+                lambda ids, labels, m=model: m(ids, labels=labels),
+            )
+        )
     return out
 
 
@@ -167,7 +188,8 @@ def _hf_candidates(configs, device, dtype, seq_len) -> list[Candidate]:
     HF DiffLlama counts heads like our config (``num_attention_heads`` query heads of width
     ``head_dim``, paired h / h+H/2; V has ``num_key_value_heads`` heads of width d), so the
     same numbers give our DIFF V1's shapes. It has no head-norm weight, 2d per layer fewer
-    parameters. Its attention calls softmax once per map and V half (the two-call form).
+    parameters. Its attention runs two SDPA calls, each over all query half-heads against one
+    d-wide half of V, so QKᵀ is computed twice (the split-V two-call form of the FLOP count).
     """
     try:
         from transformers import (
@@ -180,15 +202,22 @@ def _hf_candidates(configs, device, dtype, seq_len) -> list[Candidate]:
         return []
     base = configs["baseline"]
     sizes = dict(
-        vocab_size=base.vocab_size, hidden_size=base.d_model, intermediate_size=base.ffn_dim,
-        num_hidden_layers=base.n_layers, num_attention_heads=base.n_heads,
-        num_key_value_heads=base.num_kv_heads, head_dim=base.dim_per_head,
-        max_position_embeddings=seq_len, rms_norm_eps=base.norm_eps,
+        vocab_size=base.vocab_size,
+        hidden_size=base.d_model,
+        intermediate_size=base.ffn_dim,
+        num_hidden_layers=base.n_layers,
+        num_attention_heads=base.n_heads,
+        num_key_value_heads=base.num_kv_heads,
+        head_dim=base.dim_per_head,
+        max_position_embeddings=seq_len,
+        rms_norm_eps=base.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": base.rope_theta},
         tie_word_embeddings=False,
     )
-    specs = (("hf_llama", LlamaConfig, LlamaForCausalLM, "baseline"),
-             ("hf_diffllama", DiffLlamaConfig, DiffLlamaForCausalLM, "diff_v1"))
+    specs = (
+        ("hf_llama", LlamaConfig, LlamaForCausalLM, "baseline"),
+        ("hf_diffllama", DiffLlamaConfig, DiffLlamaForCausalLM, "diff_v1"),
+    )
     out = []
     for name, config_cls, model_cls, ours in specs:
         torch.manual_seed(0)
@@ -196,11 +225,17 @@ def _hf_candidates(configs, device, dtype, seq_len) -> list[Candidate]:
         model = model_cls._from_config(config_cls(**sizes), attn_implementation=impl)
         model = model.to(device=device, dtype=dtype)
         bound = throughput_bound(configs[ours], base, seq_len, "two_call")
-        out.append(Candidate(
-            name, model, sum(p.numel() for p in model.parameters()),
-            model.config._attn_implementation, "hf_llama", bound,
-            lambda ids, labels, m=model: m(input_ids=ids, labels=labels, use_cache=False),
-        ))
+        out.append(
+            Candidate(
+                name,
+                model,
+                sum(p.numel() for p in model.parameters()),
+                model.config._attn_implementation,
+                "hf_llama",
+                bound,
+                lambda ids, labels, m=model: m(input_ids=ids, labels=labels, use_cache=False),
+            )
+        )
     return out
 
 
@@ -227,8 +262,11 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+        inputs = {
+            id(t.untyped_storage())
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
         for tensor in tree_flatten(result)[0]:
             if not isinstance(tensor, torch.Tensor):
                 continue
@@ -296,53 +334,87 @@ def time_interleaved(candidates, ids, mode, steps, warmup, device, log) -> dict[
 # --------------------------------------------------------------------------------------
 # reporting
 # --------------------------------------------------------------------------------------
+def _spread(seconds: list[float]) -> float:
+    """(slowest − fastest) / median of the timed repetitions: how noisy the median is."""
+    return (max(seconds) - min(seconds)) / statistics.median(seconds)
+
+
 def _records(candidates, mode, times, peaks, args) -> list[dict[str, Any]]:
     tokens = args.batch * args.seq_len
     speed = {name: tokens / statistics.median(t) for name, t in times.items()}
     records = []
     for c in candidates:
-        records.append({
-            "attention": c.name, "mode": mode, "seq_len": args.seq_len,
-            "tokens_per_s": speed[c.name], "peak_mem_bytes": int(peaks[c.name]),
-            "params": c.params, "ratio_to_baseline": speed[c.name] / speed[c.reference],
-            "mem_ratio_to_baseline": peaks[c.name] / max(peaks[c.reference], 1),
-            "ratio_reference": c.reference, "flop_bound": c.flop_bound,
-            "seconds_median": statistics.median(times[c.name]), "kernel": c.kernel,
-            "d_model": args.d_model, "layers": args.layers, "vocab": args.vocab,
-            "batch": args.batch, "device": args.device, "dtype": args.dtype,
-            "backend": args.backend,
-        })
+        records.append(
+            {
+                "attention": c.name,
+                "mode": mode,
+                "seq_len": args.seq_len,
+                "tokens_per_s": speed[c.name],
+                "peak_mem_bytes": int(peaks[c.name]),
+                "params": c.params,
+                "ratio_to_baseline": speed[c.name] / speed[c.reference],
+                "mem_ratio_to_baseline": peaks[c.name] / max(peaks[c.reference], 1),
+                "ratio_reference": c.reference,
+                "flop_bound": c.flop_bound,
+                "seconds_median": statistics.median(times[c.name]),
+                "seconds": times[c.name],
+                "spread": _spread(times[c.name]),
+                "kernel": c.kernel,
+                "d_model": args.d_model,
+                "layers": args.layers,
+                "vocab": args.vocab,
+                "batch": args.batch,
+                "device": args.device,
+                "dtype": args.dtype,
+                "backend": args.backend,
+            }
+        )
     return records
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` in B, KiB, MiB or GiB, whichever keeps the number below 1024."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"
 
 
 def format_table(records: list[dict[str, Any]], mode: str) -> str:
     """One plain-text table for ``mode``."""
-    head = (f"{'model':<13} {'kernel':<7} {'params':>12} {'tokens/s':>11} {'x ref':>6} "
-            f"{'FLOP bound':>10} {'peak mem MiB':>13} {'x ref':>6}  ref")
+    head = (
+        f"{'model':<13} {'kernel':<7} {'params':>12} {'tokens/s':>11} {'spread':>7} "
+        f"{'x ref':>6} "
+        f"{'FLOP bound':>10} {'peak mem':>13} {'x ref':>6}  ref"
+    )
     lines = [head, "-" * len(head)]
     for r in (r for r in records if r["mode"] == mode):
         lines.append(
             f"{r['attention']:<13} {r['kernel']:<7} {r['params']:>12,} "
-            f"{r['tokens_per_s']:>11,.1f} {r['ratio_to_baseline']:>6.3f} "
-            f"{r['flop_bound']:>10.3f} {r['peak_mem_bytes'] / 2**20:>13.1f} "
+            f"{r['tokens_per_s']:>11,.1f} {r['spread']:>7.0%} {r['ratio_to_baseline']:>6.3f} "
+            f"{r['flop_bound']:>10.3f} {format_bytes(r['peak_mem_bytes']):>13} "
             f"{r['mem_ratio_to_baseline']:>6.3f}  {r['ratio_reference']}"
         )
     return "\n".join(lines)
 
 
 def _report(records, configs, candidates, args) -> str:
-    mode_titles = {"fwd": "forward, torch.no_grad()",
-                   "fwd+bwd": "forward + backward (loss, backward, zero grads)"}
+    mode_titles = {
+        "fwd": "forward, torch.no_grad()",
+        "fwd+bwd": "forward + backward (loss, backward, zero grads)",
+    }
     base, v1 = configs["baseline"], configs["diff_v1"]
     n = args.seq_len
     out = [
         f"diffattn bench: d_model {args.d_model}, layers {args.layers}, heads "
-        f"{base.n_heads}x{HEAD_DIM} (V1: {base.n_heads // 2} differential heads), d_ff "
+        f"{base.n_heads}x{HEAD_DIM} (V1: {base.n_heads // 2} of width 2x{HEAD_DIM}), d_ff "
         f"{base.ffn_dim} (V2: {configs['diff_v2'].ffn_dim}), vocab {args.vocab}",
         f"batch {args.batch} x seq {n}; device {args.device} ({torch.get_num_threads()} "
         f"threads), {args.dtype}, backend {args.backend}; torch {torch.__version__}",
         f"tokens/s = batch*seq_len / median of {args.steps} interleaved steps "
-        f"(after {args.warmup} warmup); 'x ref' = ratio to the row named in 'ref'",
+        f"(after {args.warmup} warmup); spread = (slowest - fastest) / median step; "
+        "'x ref' = ratio to the row named in 'ref'",
         MEMORY_NOTE[args.device],
         "FLOP bound = FLOPs(ref's baseline) / FLOPs(model) per token: the best 'x ref' "
         "throughput possible (diffattn.bench.flops)",
@@ -351,21 +423,30 @@ def _report(records, configs, candidates, args) -> str:
         out += ["", f"== {mode}: {mode_titles[mode]} ==", format_table(records, mode)]
     once = throughput_bound(v1, base, n, "qk_once")
     two = throughput_bound(v1, base, n, "two_call")
-    out += ["", f"FLOP bound DIFF V1 / baseline at N={n}, d_ff={base.ffn_dim}: {once:.3f} "
-            f"with QK once (reference, sdpa), {two:.3f} with the split-V two-call form "
-            "(flash, HF DiffLlama)"]
+    out += [
+        "",
+        f"FLOP bound DIFF V1 / baseline at N={n}, d_ff={base.ffn_dim}: {once:.3f} "
+        f"with QK once (reference), {two:.3f} with QKᵀ at width 2d (sdpa and flash, which "
+        "zero-pad Q/K to V's width) or the split-V two-call form (HF DiffLlama)",
+    ]
     by_name = {c.name: c for c in candidates}
     if "hf_diffllama" in by_name:
         ours, hf = by_name["diff_v1"].params, by_name["hf_diffllama"].params
-        note = (" (HF DiffLlama has no head-norm weight, 2d per layer)"
-                if ours - hf == 2 * HEAD_DIM * args.layers else "")
-        out.append(f"parameters: diff_v1 {ours:,} vs hf_diffllama {hf:,}{note}; baseline "
-                   f"{by_name['baseline'].params:,} vs hf_llama {by_name['hf_llama'].params:,}")
+        note = (
+            " (HF DiffLlama has no head-norm weight, 2d per layer)"
+            if ours - hf == 2 * HEAD_DIM * args.layers
+            else ""
+        )
+        out.append(
+            f"parameters: diff_v1 {ours:,} vs hf_diffllama {hf:,}{note}; baseline "
+            f"{by_name['baseline'].params:,} vs hf_llama {by_name['hf_llama'].params:,}"
+        )
     return "\n".join(out)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; returns the exit code (2 on bad input)."""
+
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
@@ -396,8 +477,10 @@ def run(args: argparse.Namespace) -> int:
     for mode in MODES:
         times = time_interleaved(candidates, ids, mode, args.steps, args.warmup, device, log)
         log(f"[{mode}] peak memory, one step per model")
-        peaks = {c.name: peak_step_bytes(lambda c=c: _step(c, ids, mode), device)
-                 for c in candidates}
+        peaks = {
+            c.name: peak_step_bytes(lambda c=c, m=mode: _step(c, ids, m), device)
+            for c in candidates
+        }
         records += _records(candidates, mode, times, peaks, args)
 
     if args.json:
