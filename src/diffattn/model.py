@@ -21,6 +21,7 @@ from torch import nn
 
 from diffattn.attention import AttentionMaps, AttentionMask, build_attention
 from diffattn.attention.diff_v1 import DiffAttentionV1
+from diffattn.cache import DynamicCache, StaticCache
 from diffattn.config import ModelConfig
 from diffattn.layers import RMSNorm, RotaryEmbedding, SwiGLU
 
@@ -39,6 +40,7 @@ class CausalLMOutput:
         attention_maps: per layer, an :class:`AttentionMaps` with A1, A2 and λ as well.
         hidden_states: ``n_layers + 1`` tensors ``(B, N, d_model)``: the embeddings, the
             outputs of blocks 1…L−1, and the final normed state (Hugging Face convention).
+        past_key_values: the KV cache after this call (with ``use_cache`` or a cache given).
     """
 
     logits: torch.Tensor
@@ -46,6 +48,7 @@ class CausalLMOutput:
     attentions: tuple[torch.Tensor, ...] | None = None
     attention_maps: tuple[AttentionMaps, ...] | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    past_key_values: DynamicCache | StaticCache | None = None
 
 
 class DecoderBlock(nn.Module):
@@ -58,8 +61,8 @@ class DecoderBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.ffn = SwiGLU(config.d_model, config.ffn_dim)
 
-    def forward(self, x, rope, mask, need_weights=False):
-        attn_out, maps = self.attn(self.attn_norm(x), rope, mask, need_weights)
+    def forward(self, x, rope, mask, need_weights=False, cache=None):
+        attn_out, maps = self.attn(self.attn_norm(x), rope, mask, need_weights, cache)
         x = x + attn_out
         x = x + self.ffn(self.ffn_norm(x))
         return x, maps
@@ -130,51 +133,68 @@ class DiffTransformerLM(nn.Module):
         labels: torch.Tensor | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        past_key_values: DynamicCache | StaticCache | None = None,
+        use_cache: bool = False,
     ) -> CausalLMOutput:
         """Run the model.
 
         Args:
-            input_ids: ``(B, N)`` token ids.
-            attention_mask: optional ``(B, N)``, 1 for real tokens and 0 for padding (left or
-                right). Real tokens get the outputs they would get without padding.
+            input_ids: ``(B, N)`` token ids (only the new tokens when a cache is given).
+            attention_mask: optional, 1 for real tokens and 0 for padding (left or right);
+                ``(B, cached + N)``, covering the cached tokens too. Real tokens get the
+                outputs they would get without padding.
             labels: optional ``(B, N)``; the loss predicts ``labels[:, 1:]`` from positions
                 ``:-1``; ``-100`` is ignored (set it on padding).
             output_attentions: also return the per-layer maps. This computes attention with
                 the explicit ``reference`` kernel for this call, whatever the backend.
             output_hidden_states: also return the hidden states.
+            past_key_values: a :class:`~diffattn.cache.DynamicCache` or
+                :class:`~diffattn.cache.StaticCache` holding earlier tokens; it is updated.
+            use_cache: start a :class:`~diffattn.cache.DynamicCache` when none is given.
         """
         if input_ids.dim() != 2:
             raise ValueError(
                 f"input_ids must have shape (batch, seq_len), got {tuple(input_ids.shape)}"
             )
         bsz, n = input_ids.shape
-        if n > self.config.max_seq_len:
+        cache = past_key_values
+        if cache is None and use_cache:
+            cache = DynamicCache()
+        past = cache.get_seq_length() if cache is not None else 0
+        if past + n > self.config.max_seq_len:
             raise ValueError(
-                f"sequence length {n} exceeds max_seq_len={self.config.max_seq_len} of this model"
+                f"sequence length {past + n} exceeds max_seq_len="
+                f"{self.config.max_seq_len} of this model"
             )
         if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape:
+            if attention_mask.shape != (bsz, past + n):
                 raise ValueError(
                     f"attention_mask shape {tuple(attention_mask.shape)} does not "
-                    f"match input_ids shape {tuple(input_ids.shape)}"
+                    f"match (batch, cached + new tokens) = {(bsz, past + n)}"
                 )
-            positions = position_ids_from_mask(attention_mask)
+            positions = position_ids_from_mask(attention_mask)[:, past:]
             padding = attention_mask.bool()
-            mask = AttentionMask(key_padding=None if bool(padding.all()) else padding)
+            if bool(padding.all()):
+                padding = None
+            elif isinstance(cache, StaticCache):  # keys span the whole buffer
+                padding = F.pad(padding, (0, cache.max_len - past - n), value=True)
+            mask = AttentionMask(key_padding=padding, query_offset=past)
         else:
-            positions = torch.arange(n, device=input_ids.device).expand(bsz, n)
-            mask = AttentionMask()
+            positions = torch.arange(past, past + n, device=input_ids.device).expand(bsz, n)
+            mask = AttentionMask(query_offset=past)
 
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
         hidden = [x] if output_hidden_states else None
         maps = [] if output_attentions else None
         for block in self.layers:
-            x, layer_maps = block(x, rope, mask, output_attentions)
+            x, layer_maps = block(x, rope, mask, output_attentions, cache)
             if output_attentions:
                 maps.append(layer_maps)
             if output_hidden_states:
                 hidden.append(x)
+        if cache is not None:
+            cache.advance()
         x = self.norm(x)
         if output_hidden_states:
             hidden[-1] = x
@@ -198,6 +218,7 @@ class DiffTransformerLM(nn.Module):
             attentions=tuple(m.diff for m in maps) if maps is not None else None,
             attention_maps=tuple(maps) if maps is not None else None,
             hidden_states=tuple(hidden) if hidden is not None else None,
+            past_key_values=cache,
         )
 
 

@@ -32,11 +32,14 @@ class BaselineAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: AttentionMask,
         need_weights: bool = False,
+        cache=None,
     ) -> tuple[torch.Tensor, AttentionMaps | None]:
         style = self.config.rope_style
         q = apply_rotary(split_heads(self.q_proj(x), self.n_heads), *rope, style)
         k = apply_rotary(split_heads(self.k_proj(x), self.n_kv_heads), *rope, style)
         v = split_heads(self.v_proj(x), self.n_kv_heads)
+        if cache is not None:
+            k, v = cache.update(self.layer_index, k, v)
         out, probs = softmax_attention(q, k, v, mask, self.scale, self.config.backend, need_weights)
         maps = AttentionMaps(diff=probs) if need_weights else None
         return self.o_proj(merge_heads(out)), maps

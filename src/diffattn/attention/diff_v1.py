@@ -69,11 +69,14 @@ class DiffAttentionV1(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: AttentionMask,
         need_weights: bool = False,
+        cache=None,
     ) -> tuple[torch.Tensor, AttentionMaps | None]:
         style = self.config.rope_style
         q = apply_rotary(split_heads(self.q_proj(x), 2 * self.n_heads), *rope, style)
         k = apply_rotary(split_heads(self.k_proj(x), 2 * self.n_kv_heads), *rope, style)
         v = split_heads(self.v_proj(x), self.n_kv_heads)  # (B, H_kv, N, 2d)
+        if cache is not None:  # cached as computed: K half-heads interleaved, V of width 2d
+            k, v = cache.update(self.layer_index, k, v)
         q1, q2 = q[:, 0::2], q[:, 1::2]
         k1, k2 = k[:, 0::2], k[:, 1::2]
         lam = self.lambda_full()

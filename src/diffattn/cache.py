@@ -1,0 +1,122 @@
+"""Key/value caches for incremental decoding, shared by all three attention types.
+
+Each attention module stores its keys after RoPE and its values exactly as its kernel reads
+them: baseline and DIFF V2 keep ``n_kv_heads`` heads of width d for K and V; DIFF V1 keeps
+its ``n_kv_heads`` key half-heads (K1, K2 interleaved) of width d and ``n_kv_heads / 2``
+value heads of width 2d. At matched size the cache therefore holds
+``2 · n_layers · n_kv_heads · head_dim`` numbers per token for every type
+(:func:`cache_bytes_per_token`): DIFF V2 doubles the query heads, not the KV heads.
+
+``DynamicCache`` grows by concatenation. ``StaticCache`` is allocated once for a maximum
+length and written in place, so shapes never change (what ``torch.compile`` wants); slots past
+the current length are never read because the causal rule hides keys after the query.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffattn.config import ModelConfig
+
+
+def cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of K and V cached per token over all layers."""
+    numbers = 2 * config.n_layers * config.num_kv_heads * config.dim_per_head
+    return numbers * torch.empty((), dtype=dtype).element_size()
+
+
+class DynamicCache:
+    """A cache that grows with every call: ``update`` appends and returns everything so far."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def get_seq_length(self) -> int:
+        """Tokens already cached (read from layer 0)."""
+        return self.keys[0].shape[2] if self.keys else 0
+
+    def update(
+        self, layer_index: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``k``, ``v`` of shape ``(B, H, n, w)`` and return all of this layer's."""
+        if layer_index == len(self.keys):
+            self.keys.append(k)
+            self.values.append(v)
+        elif layer_index < len(self.keys):
+            self.keys[layer_index] = torch.cat((self.keys[layer_index], k), dim=2)
+            self.values[layer_index] = torch.cat((self.values[layer_index], v), dim=2)
+        else:
+            raise IndexError(f"layer {layer_index} updated before layer {len(self.keys)}")
+        return self.keys[layer_index], self.values[layer_index]
+
+    def advance(self) -> None:
+        """Nothing to commit: ``update`` already appended (same interface as StaticCache)."""
+
+    def reorder(self, beam_index: torch.Tensor) -> None:
+        """Select batch rows (e.g. after a beam step)."""
+        self.keys = [k.index_select(0, beam_index) for k in self.keys]
+        self.values = [v.index_select(0, beam_index) for v in self.values]
+
+
+class StaticCache:
+    """A cache pre-allocated for ``max_len`` tokens; ``update`` writes in place.
+
+    ``update`` returns the full ``max_len`` buffers: keys beyond the current length hold zeros
+    and are hidden by the causal rule, so attention reads the same keys as with a
+    :class:`DynamicCache`. Call :meth:`advance` once per forward (the model does this).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if max_len > config.max_seq_len:
+            raise ValueError(
+                f"StaticCache max_len={max_len} exceeds the model's max_seq_len="
+                f"{config.max_seq_len}"
+            )
+        d, kv = config.dim_per_head, config.num_kv_heads
+        if config.attention == "diff_v1":
+            k_shape, v_shape = (batch_size, kv, max_len, d), (batch_size, kv // 2, max_len, 2 * d)
+        else:
+            k_shape, v_shape = (batch_size, kv, max_len, d), (batch_size, kv, max_len, d)
+        self.max_len = max_len
+        self.keys = [
+            torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(config.n_layers)
+        ]
+        self.values = [
+            torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(config.n_layers)
+        ]
+        self._length = 0
+        self._pending = 0
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def update(
+        self, layer_index: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = k.shape[2]
+        start = self._length
+        if start + n > self.max_len:
+            raise ValueError(
+                f"StaticCache is full: {start} cached + {n} new > max_len={self.max_len}"
+            )
+        self.keys[layer_index][:, :, start : start + n] = k
+        self.values[layer_index][:, :, start : start + n] = v
+        self._pending = n
+        return self.keys[layer_index], self.values[layer_index]
+
+    def advance(self) -> None:
+        """Commit the tokens written by the last forward (all layers)."""
+        self._length += self._pending
+        self._pending = 0
+
+    def reset(self) -> None:
+        self._length = 0
+        self._pending = 0
