@@ -110,8 +110,7 @@ class DiffTransformerLM(nn.Module):
             elif isinstance(module, RMSNorm | RotaryEmbedding):
                 module.reset_parameters()
             elif isinstance(module, DiffAttentionV1):
-                for p in (module.lambda_q1, module.lambda_k1, module.lambda_q2, module.lambda_k2):
-                    p.normal_(0.0, cfg.lambda_std, generator=generator)
+                module.reset_lambda(generator)
 
     @property
     def output_weight(self) -> torch.Tensor:

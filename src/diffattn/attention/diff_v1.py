@@ -51,11 +51,11 @@ class DiffAttentionV1(nn.Module):
         )
         self.reset_lambda()
 
-    def reset_lambda(self) -> None:
+    def reset_lambda(self, generator: torch.Generator | None = None) -> None:
         """λ vectors ~ N(0, lambda_std²), as in the official code."""
         with torch.no_grad():
             for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
-                p.normal_(0.0, self.config.lambda_std)
+                p.normal_(0.0, self.config.lambda_std, generator=generator)
 
     def lambda_full(self) -> torch.Tensor:
         """Eq.2: λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init, computed in fp32 (0-d tensor)."""
