@@ -175,7 +175,7 @@ class DiffTransformerLM(nn.Module):
             padding = attention_mask.bool()
             if bool(padding.all()):
                 padding = None
-            elif isinstance(cache, StaticCache):  # keys span the whole buffer
+            elif getattr(cache, "max_len", None) is not None:  # keys span a static buffer
                 padding = F.pad(padding, (0, cache.max_len - past - n), value=True)
             mask = AttentionMask(key_padding=padding, query_offset=past)
         else:

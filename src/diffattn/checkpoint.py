@@ -1,0 +1,301 @@
+"""Model directories: ``config.json`` + safetensors weights, readable by diffattn and by HF.
+
+A diffattn model directory is exactly what ``DiffAttnForCausalLM.save_pretrained`` writes, so
+``AutoModelForCausalLM.from_pretrained(dir)`` (after ``import diffattn``) and
+:func:`load_model` read the same files:
+
+* ``config.json``: ``{"model_type": "diffattn", "architectures": ["DiffAttnForCausalLM"],
+  ...every ModelConfig field...}`` (``tie_word_embeddings`` mirrors ``tie_embeddings``);
+* ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``): the
+  :class:`~diffattn.model.DiffTransformerLM` state dict with every key prefixed ``model.``
+  (the HF wrapper holds the LM as ``self.model``); a tied LM head is not stored.
+
+Loading is strict and safe: weights come only from safetensors (a pickle ``.bin`` is refused),
+missing / unexpected / mis-shaped tensors are named in one error, and a foreign ``model_type``
+is rejected with a pointer to ``diffattn convert``. Saving is atomic: files are written to a
+temporary sibling directory which is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffattn.config import ModelConfig
+from diffattn.model import DiffTransformerLM
+
+MODEL_TYPE = "diffattn"
+ARCHITECTURE = "DiffAttnForCausalLM"
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
+KEY_PREFIX = "model."
+
+# Keys HF's PretrainedConfig adds to config.json; they are not ModelConfig fields.
+_HF_CONFIG_KEYS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "tie_word_embeddings",
+        "diffattn_version",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "auto_map",
+        "_name_or_path",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "use_cache",
+        "is_encoder_decoder",
+        "chunk_size_feed_forward",
+        "add_cross_attention",
+        "tokenizer_class",
+        "problem_type",
+        "id2label",
+        "label2id",
+    }
+)
+
+
+class CheckpointError(ValueError):
+    """A model directory or weight file that cannot be loaded as asked; the message says why."""
+
+
+# ----------------------------------------------------------------------------------------
+# config.json
+def config_to_json_dict(config: ModelConfig) -> dict[str, Any]:
+    """The ``config.json`` content for ``config`` (HF-compatible, see module docstring)."""
+    from diffattn import __version__
+
+    data = {"model_type": MODEL_TYPE, "architectures": [ARCHITECTURE]}
+    data.update(config.to_dict())
+    data.pop("extra", None)
+    data["tie_word_embeddings"] = config.tie_embeddings
+    data["diffattn_version"] = __version__
+    return data
+
+
+def config_from_json_dict(data: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
+    """Parse a ``config.json`` dict; a ``model_type`` other than ``diffattn`` is an error."""
+    model_type = data.get("model_type")
+    if model_type != MODEL_TYPE:
+        raise CheckpointError(
+            f"{source}: model_type is {model_type!r}, not {MODEL_TYPE!r}. "
+            "To bring in a Hugging Face Llama or DiffLlama checkpoint, run "
+            "`diffattn convert SRC_DIR OUT_DIR` first."
+        )
+    fields = {k: v for k, v in data.items() if k not in _HF_CONFIG_KEYS}
+    if "tie_word_embeddings" in data and "tie_embeddings" not in fields:
+        fields["tie_embeddings"] = bool(data["tie_word_embeddings"])
+    try:
+        return ModelConfig.from_dict(fields)
+    except ValueError as error:
+        raise CheckpointError(f"{source}: {error}") from error
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    """Read the :class:`ModelConfig` of a model directory (or of a ``config.json`` file)."""
+    path = Path(path)
+    file = path / CONFIG_NAME if path.is_dir() else path
+    if not file.is_file():
+        raise CheckpointError(f"{path}: no {CONFIG_NAME} found (not a model directory)")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{file}: not valid JSON ({error})") from error
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object")
+    return config_from_json_dict(data, source=str(file))
+
+
+# ----------------------------------------------------------------------------------------
+# weights
+def weight_files(directory: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a model directory, refusing pickle checkpoints."""
+    directory = Path(directory)
+    index = directory / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({error})") from error
+        files = [directory / name for name in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: shard file(s) missing: {', '.join(missing)}")
+        return files
+    single = directory / WEIGHTS_NAME
+    if single.is_file():
+        return [single]
+    others = sorted(directory.glob("*.safetensors"))
+    if others:
+        return others
+    pickles = [name for name in PICKLE_NAMES if (directory / name).exists()]
+    if pickles or list(directory.glob("*.bin")):
+        found = pickles or [p.name for p in directory.glob("*.bin")]
+        raise CheckpointError(
+            f"{directory}: only pickle weights found ({', '.join(found)}). diffattn loads "
+            "weights from safetensors only, because unpickling can run arbitrary code. "
+            "Re-save the model with safetensors (e.g. `save_pretrained(..., "
+            "safe_serialization=True)`)."
+        )
+    raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} found")
+
+
+def read_safetensors(files: list[Path], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Read tensors from safetensors files; a corrupt or truncated file is named in the error."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        if file.suffix in (".bin", ".pt", ".pth", ".pkl"):
+            raise CheckpointError(f"{file}: pickle files are refused; use safetensors")
+        try:
+            part = load_file(str(file), device=str(device))
+        except (SafetensorError, OSError, RuntimeError, ValueError) as error:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from error
+        duplicate = state.keys() & part.keys()
+        if duplicate:
+            raise CheckpointError(f"{file}: tensor(s) stored twice: {sorted(duplicate)[:5]}")
+        state.update(part)
+    return state
+
+
+def check_state_dict(
+    expected: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor], source: str
+) -> None:
+    """Raise one :class:`CheckpointError` naming missing, unexpected and mis-shaped tensors."""
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(found.keys() - expected.keys())
+    misshaped = [
+        f"{k} (expected {tuple(expected[k].shape)}, found {tuple(found[k].shape)})"
+        for k in sorted(expected.keys() & found.keys())
+        if tuple(expected[k].shape) != tuple(found[k].shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensor(s): {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensor(s): {', '.join(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped tensor(s): {', '.join(misshaped)}")
+    if problems:
+        raise CheckpointError(f"{source}: weights do not match the config; " + "; ".join(problems))
+
+
+def model_state_for_saving(model: DiffTransformerLM) -> dict[str, torch.Tensor]:
+    """The state dict as stored on disk: prefixed keys, contiguous tensors, no buffers."""
+    return {KEY_PREFIX + k: v.detach().contiguous() for k, v in model.state_dict().items()}
+
+
+# ----------------------------------------------------------------------------------------
+# atomic directories
+@contextlib.contextmanager
+def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory that becomes ``out_dir`` only if the block succeeds.
+
+    ``out_dir`` must not exist (or be empty) unless ``overwrite``; then the old directory is
+    replaced only after the new one is complete. On any error nothing at ``out_dir`` changes.
+    """
+    out = Path(out_dir)
+    if out.exists():
+        if not out.is_dir():
+            raise CheckpointError(f"{out}: exists and is not a directory")
+        if any(out.iterdir()) and not overwrite:
+            raise CheckpointError(f"{out}: directory exists and is not empty (pass overwrite)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_model(
+    model: DiffTransformerLM,
+    out_dir: str | os.PathLike,
+    tokenizer: Any | None = None,
+    overwrite: bool = False,
+    extra_files: Mapping[str, Callable[[Path], None]] | None = None,
+) -> Path:
+    """Write ``model`` as a model directory (atomically). Returns the directory.
+
+    ``tokenizer``: anything with ``save_pretrained(dir)`` (an HF tokenizer) or ``save(path)``
+    (a ``tokenizers.Tokenizer``, written as ``tokenizer.json``), saved beside the weights.
+    ``extra_files``: name -> writer(path) for additional files.
+    """
+    from safetensors.torch import save_file
+
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        (tmp / CONFIG_NAME).write_text(
+            json.dumps(config_to_json_dict(model.config), indent=2, sort_keys=True) + "\n",
+            encoding="utf-8",
+        )
+        save_file(model_state_for_saving(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, tmp)
+        for name, writer in (extra_files or {}).items():
+            writer(tmp / name)
+    return Path(out_dir)
+
+
+def save_tokenizer(tokenizer: Any, directory: Path) -> None:
+    """Save an HF tokenizer (``save_pretrained``) or a ``tokenizers.Tokenizer`` beside a model."""
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(directory))
+    elif hasattr(tokenizer, "save"):
+        tokenizer.save(str(directory / "tokenizer.json"))
+    else:
+        raise TypeError(f"cannot save a tokenizer of type {type(tokenizer).__name__}")
+
+
+def load_model(
+    directory: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    **config_overrides: Any,
+) -> DiffTransformerLM:
+    """Load a model directory written by :func:`save_model` or ``save_pretrained``.
+
+    ``config_overrides`` replace config fields that do not change weights (e.g.
+    ``backend="sdpa"``). The model is returned in eval mode.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    config = read_config(directory)
+    if config_overrides:
+        config = config.replace(**config_overrides)
+    state = read_safetensors(weight_files(directory))
+    with torch.device("meta"):
+        model = DiffTransformerLM(config)
+    expected = {KEY_PREFIX + k: v for k, v in model.state_dict().items()}
+    check_state_dict(expected, state, str(directory))
+    model.to_empty(device=device)
+    model.rotary.reset_parameters()  # the only buffer (RoPE); parameters are loaded below
+    model.load_state_dict({k[len(KEY_PREFIX) :]: v for k, v in state.items()}, strict=True)
+    if dtype is not None:
+        model.to(dtype=dtype)
+    return model.eval()
