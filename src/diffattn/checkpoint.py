@@ -129,7 +129,9 @@ def weight_files(directory: str | os.PathLike) -> list[Path]:
     index = directory / WEIGHTS_INDEX_NAME
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            names = sorted(
+                set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+            )
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise CheckpointError(f"{index}: not a valid safetensors index ({error})") from error
         files = [directory / name for name in names]
@@ -155,7 +157,9 @@ def weight_files(directory: str | os.PathLike) -> list[Path]:
     raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} found")
 
 
-def read_safetensors(files: list[Path], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def read_safetensors(
+    files: list[Path], device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
     """Read tensors from safetensors files; a corrupt or truncated file is named in the error."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
