@@ -2,9 +2,12 @@
 
 from diffattn import presets
 from diffattn.config import ModelConfig, lambda_init_schedule
+from diffattn.hf.autoregister import install as _install_hf_registration
 from diffattn.model import CausalLMOutput, DiffTransformerLM, count_parameters
 
 __version__ = "0.1.0"
+
+_install_hf_registration()  # AutoConfig / AutoModelForCausalLM know "diffattn"
 
 __all__ = [
     "CausalLMOutput",

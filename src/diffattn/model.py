@@ -60,6 +60,9 @@ class DecoderBlock(nn.Module):
         self.attn = build_attention(config, layer_index)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.ffn = SwiGLU(config.d_model, config.ffn_dim)
+        # The two projections that write into the residual stream get the depth-scaled init.
+        self.attn.o_proj.residual_projection = True
+        self.ffn.down_proj.residual_projection = True
 
     def forward(self, x, rope, mask, need_weights=False, cache=None):
         attn_out, maps = self.attn(self.attn_norm(x), rope, mask, need_weights, cache)
@@ -98,19 +101,24 @@ class DiffTransformerLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """(Re)initialise every parameter and buffer as described in the module docstring."""
+        for module in self.modules():
+            self.init_module(module, generator)
+
+    @torch.no_grad()
+    def init_module(self, module: nn.Module, generator: torch.Generator | None = None) -> None:
+        """Initialise the parameters and buffers owned directly by ``module`` (one of ours)."""
         cfg = self.config
-        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                is_residual = name.endswith("attn.o_proj") or name.endswith("ffn.down_proj")
-                std = residual_std if is_residual else cfg.init_std
-                module.weight.normal_(0.0, std, generator=generator)
-            elif isinstance(module, nn.Embedding):
-                module.weight.normal_(0.0, cfg.init_std, generator=generator)
-            elif isinstance(module, RMSNorm | RotaryEmbedding):
-                module.reset_parameters()
-            elif isinstance(module, DiffAttentionV1):
-                module.reset_lambda(generator)
+        if isinstance(module, nn.Linear):
+            std = cfg.init_std
+            if getattr(module, "residual_projection", False):
+                std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+            module.weight.normal_(0.0, std, generator=generator)
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, cfg.init_std, generator=generator)
+        elif isinstance(module, RMSNorm | RotaryEmbedding):
+            module.reset_parameters()
+        elif isinstance(module, DiffAttentionV1):
+            module.reset_lambda(generator)
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -1,0 +1,165 @@
+"""``DiffAttnForCausalLM``: a diffattn model as a Hugging Face ``PreTrainedModel``.
+
+The wrapper holds a :class:`~diffattn.model.DiffTransformerLM` as ``self.model``; its state
+dict is therefore the diffattn model-directory layout (``model.``-prefixed keys, see
+:mod:`diffattn.checkpoint`), and ``save_pretrained`` / ``from_pretrained`` read and write the
+same directories as :func:`diffattn.checkpoint.save_model` / ``load_model``.
+
+HF caches: ``generate()`` passes HF ``Cache`` objects (``DynamicCache``, ``StaticCache``, ...).
+:class:`HFCacheAdapter` lets diffattn's attention modules write into them. HF caches assume
+K and V have the same number of heads; DIFF V1 keeps ``n_kv_heads`` key half-heads of width d
+but ``n_kv_heads / 2`` value heads of width 2d, so the adapter stores each width-2d value head
+as two width-d heads (an exact reshape) and reassembles them on read. diffattn's own caches
+(:mod:`diffattn.cache`) need no reshaping and are the faster choice for V1.
+
+Positions are derived from ``attention_mask`` (the running count of real tokens), as in
+:class:`~diffattn.model.DiffTransformerLM`; ``position_ids`` is accepted and ignored.
+``output_attentions=True`` returns the differential maps (A1 − λA2 for DIFF V1/V2), i.e. the
+matrices that multiply V, not the raw softmax maps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from diffattn.hf.configuration import DiffAttnConfig
+from diffattn.model import DiffTransformerLM
+
+
+class HFCacheAdapter:
+    """Present an HF ``Cache`` with the interface diffattn's attention modules call."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        max_shape = cache.get_max_cache_shape() if hasattr(cache, "get_max_cache_shape") else -1
+        # A pre-allocated HF cache returns buffers of max_shape keys (zeros past the length).
+        self.max_len = int(max_shape) if max_shape is not None and max_shape > 0 else None
+
+    def get_seq_length(self) -> int:
+        return int(self.cache.get_seq_length())
+
+    def update(
+        self, layer_index: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = k.shape[1] // v.shape[1]
+        if parts > 1:  # DIFF V1: one width-2d value head -> two width-d heads, exactly
+            b, hv, n, w = v.shape
+            v = v.reshape(b, hv, n, parts, w // parts).transpose(2, 3).reshape(b, hv * parts, n, -1)
+        keys, values = self.cache.update(k, v, layer_index)
+        if parts > 1:
+            b, h, n, w = values.shape
+            values = values.reshape(b, h // parts, parts, n, w).transpose(2, 3)
+            values = values.reshape(b, h // parts, n, parts * w)
+        return keys, values
+
+    def advance(self) -> None:
+        """HF caches track their own length."""
+
+
+class DiffAttnPreTrainedModel(PreTrainedModel):
+    """Shared HF plumbing: config class, weight init, module names."""
+
+    config_class = DiffAttnConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DecoderBlock"]  # noqa: RUF012
+    _skip_keys_device_placement = ["past_key_values"]  # noqa: RUF012
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        lm = getattr(self, "model", None)
+        if isinstance(lm, DiffTransformerLM):
+            lm.init_module(module)
+
+
+class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
+    """Causal LM head model: ``forward`` returns HF's ``CausalLMOutputWithPast``."""
+
+    def __init__(self, config: DiffAttnConfig) -> None:
+        super().__init__(config)
+        self.model = DiffTransformerLM(config.to_model_config())
+        self.post_init()
+
+    @classmethod
+    def from_diffattn(cls, model: DiffTransformerLM, **hf_kwargs: Any) -> DiffAttnForCausalLM:
+        """Wrap an existing :class:`DiffTransformerLM` (weights shared, not copied)."""
+        config = DiffAttnConfig.from_model_config(model.config, **hf_kwargs)
+        with torch.device("meta"):
+            wrapper = cls(config)
+        wrapper.model = model
+        return wrapper
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs: Any) -> Any:
+        """Keep the 2-D padding mask for pre-allocated caches: the model builds its own masks
+        (causal + padding) and reads positions from it; HF would pass a 4-D mask instead."""
+        return attention_mask
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear | None:
+        return self.model.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Any | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        cache_position: torch.LongTensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        if inputs_embeds is not None:
+            raise ValueError("DiffAttnForCausalLM takes input_ids; inputs_embeds is not supported")
+        if input_ids is None:
+            raise ValueError("DiffAttnForCausalLM.forward needs input_ids")
+        if use_cache is None:
+            use_cache = getattr(self.config, "use_cache", True)
+        if past_key_values is None and use_cache and not self.training:
+            from transformers import DynamicCache
+
+            past_key_values = DynamicCache()
+        if output_attentions is None:
+            output_attentions = getattr(self.config, "output_attentions", False)
+        if output_hidden_states is None:
+            output_hidden_states = getattr(self.config, "output_hidden_states", False)
+        cache = HFCacheAdapter(past_key_values) if past_key_values is not None else None
+        out = self.model(
+            input_ids,
+            attention_mask=attention_mask,
+            labels=labels,
+            output_attentions=bool(output_attentions),
+            output_hidden_states=bool(output_hidden_states),
+            past_key_values=cache,
+        )
+        logits = out.logits
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            logits = logits[:, -logits_to_keep:]
+        elif isinstance(logits_to_keep, torch.Tensor):
+            logits = logits[:, logits_to_keep]
+        return CausalLMOutputWithPast(
+            loss=out.loss,
+            logits=logits,
+            past_key_values=past_key_values,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+        )
+
+
+__all__ = ["DiffAttnForCausalLM", "DiffAttnPreTrainedModel", "HFCacheAdapter"]
