@@ -1,0 +1,98 @@
+"""Data for diffattn: sources, tokenizers, token shards, the batch loader, the default corpus.
+
+The trainer needs two calls::
+
+    from diffattn.data import BatchLoader, DataConfig, eval_batches, prepare_data
+
+    data = prepare_data(DataConfig())            # the embedded stdlib corpus, BPE 8192
+    loader = BatchLoader(data.train, batch_size=32, seq_len=256, seed=0,
+                         rank=rank, world_size=world_size)
+    batch = next(loader)                         # LongTensor (32 // world_size, 256)
+    for batch in eval_batches(data.valid, 32, 256, max_batches=20): ...
+
+``data.tokenizer.vocab_size`` sizes the model's embedding; ``loader.state_dict()`` goes into
+checkpoints. See ``docs/data.md``.
+"""
+
+from diffattn.data.corpus import DEFAULT_CORPUS_BYTES, default_corpus, stdlib_files
+from diffattn.data.loader import BatchLoader, eval_batches
+from diffattn.data.prepare import (
+    DataConfig,
+    DataStats,
+    PreparedData,
+    load_prepared_tokenizer,
+    prepare_data,
+)
+from diffattn.data.shards import (
+    Shard,
+    ShardSet,
+    ShardWriter,
+    is_validation_document,
+    token_dtype,
+    write_token_shards,
+)
+from diffattn.data.sources import (
+    SourceStats,
+    decode_utf8,
+    fingerprint_sources,
+    iter_documents,
+    parse_hf_spec,
+    read_file,
+    read_hf_dataset,
+    read_jsonl_file,
+    read_parquet_file,
+    read_text_file,
+)
+from diffattn.data.tokenizers import (
+    EOS_TOKEN,
+    HFTokenizer,
+    TiktokenTokenizer,
+    Tokenizer,
+    TokenizerSpec,
+    encode_batch,
+    load_hf_tokenizer,
+    load_tokenizer,
+    parse_tokenizer_spec,
+    tiktoken_to_hf,
+    train_bpe,
+)
+
+__all__ = [
+    "DEFAULT_CORPUS_BYTES",
+    "EOS_TOKEN",
+    "BatchLoader",
+    "DataConfig",
+    "DataStats",
+    "HFTokenizer",
+    "PreparedData",
+    "Shard",
+    "ShardSet",
+    "ShardWriter",
+    "SourceStats",
+    "TiktokenTokenizer",
+    "Tokenizer",
+    "TokenizerSpec",
+    "decode_utf8",
+    "default_corpus",
+    "encode_batch",
+    "eval_batches",
+    "fingerprint_sources",
+    "is_validation_document",
+    "iter_documents",
+    "load_hf_tokenizer",
+    "load_prepared_tokenizer",
+    "load_tokenizer",
+    "parse_hf_spec",
+    "parse_tokenizer_spec",
+    "prepare_data",
+    "read_file",
+    "read_hf_dataset",
+    "read_jsonl_file",
+    "read_parquet_file",
+    "read_text_file",
+    "stdlib_files",
+    "tiktoken_to_hf",
+    "token_dtype",
+    "train_bpe",
+    "write_token_shards",
+]

@@ -1,0 +1,548 @@
+"""Document sources: text files, directories, globs, JSON lines, Parquet, HF datasets, stdlib.
+
+A *source spec* is one string:
+
+* ``"stdlib[:MAX_BYTES|:all]"``: the embedded default corpus (:mod:`diffattn.data.corpus`),
+  capped at 16 MB unless the suffix says otherwise;
+* ``"hf:NAME[:CONFIG][@SPLIT][?key=value&...]"``: a ``datasets`` dataset, streamed
+  (``@SPLIT`` defaults to ``train``; the query passes ``data_files``, ``data_dir`` or
+  ``revision`` to ``datasets.load_dataset``, e.g. ``hf:json?data_files=/data/*.jsonl``);
+* a file: ``.jsonl`` / ``.jsonl.gz`` (one JSON object per line, text under ``text_field``),
+  ``.parquet`` (column ``text_field``, streamed by record batches), anything else is text
+  (``.gz`` is decompressed);
+* a directory: every non-hidden file below it, recursively, in sorted order;
+* a glob pattern (``*``, ``?``, ``[``; ``**`` recurses): the matching files, sorted.
+
+Documents are ``str``. Bytes that are not valid UTF-8 never stop a run: each invalid sequence
+becomes U+FFFD and is counted in :class:`SourceStats` (files, documents and bytes affected).
+A text file is one document (``split="file"``), or one per blank-line separated paragraph
+(``"paragraph"``) or per line (``"line"``); the last two stream the file line by line.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import glob
+import gzip
+import hashlib
+import json
+import os
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Literal, get_args
+from urllib.parse import parse_qsl
+
+DocumentSplit = Literal["file", "paragraph", "line"]
+DOCUMENT_SPLITS: tuple[str, ...] = get_args(DocumentSplit)
+
+STDLIB_SPEC = "stdlib"
+STDLIB_DEFAULT_BYTES = 16_000_000
+"""Cap of the ``"stdlib"`` source: all of the stdlib on current CPythons (~12 MB)."""
+HF_PREFIX = "hf:"
+HF_QUERY_KEYS = ("data_files", "data_dir", "revision")
+_GLOB_CHARS = frozenset("*?[")
+_PARQUET_BATCH_ROWS = 1024
+
+SOURCE_FORMS = (
+    "'stdlib[:MAX_BYTES|:all]', 'hf:NAME[:CONFIG][@SPLIT][?data_files=...]', "
+    "a file (.txt, .jsonl, .parquet, ...), a directory, or a glob pattern"
+)
+
+
+# --------------------------------------------------------------------------------------------
+# statistics and UTF-8 decoding with counted replacements
+# --------------------------------------------------------------------------------------------
+@dataclass
+class SourceStats:
+    """Counts gathered while documents are read (updated in place by the readers)."""
+
+    files: int = 0
+    """Files opened (text, JSON lines, Parquet)."""
+    documents: int = 0
+    """Documents yielded (empty documents are skipped and not counted)."""
+    bytes: int = 0
+    """UTF-8 bytes of the yielded documents."""
+    truncated: bool = False
+    """True when ``max_bytes`` cut the corpus short."""
+    replaced_files: int = 0
+    """Files in which at least one byte sequence was not valid UTF-8."""
+    replaced_documents: int = 0
+    """Documents containing at least one replacement character that came from bad bytes."""
+    replaced_bytes: int = 0
+    """Bytes that were not valid UTF-8 and were replaced by U+FFFD."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_COUNT_ERRORS = "diffattn-count-replace"
+_counter = threading.local()
+
+
+def _count_and_replace(error: UnicodeError) -> tuple[str, int]:
+    if not isinstance(error, UnicodeDecodeError):
+        raise error
+    _counter.value = getattr(_counter, "value", 0) + (error.end - error.start)
+    return "\ufffd", error.end
+
+
+codecs.register_error(_COUNT_ERRORS, _count_and_replace)
+
+
+def decode_utf8(data: bytes) -> tuple[str, int]:
+    """Decode ``data`` as UTF-8, replacing invalid sequences; returns (text, bytes replaced)."""
+    try:
+        return data.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        pass
+    _counter.value = 0
+    text = data.decode("utf-8", errors=_COUNT_ERRORS)
+    replaced, _counter.value = _counter.value, 0
+    return text, replaced
+
+
+def _clean_text(text: str) -> tuple[str, int]:
+    """Replace lone surrogates (possible in JSON escapes) so the text encodes as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        cleaned = text.encode("utf-8", errors="replace").decode("utf-8")
+        return cleaned, sum(1 for a, b in zip(text, cleaned, strict=True) if a != b)
+    return text, 0
+
+
+# --------------------------------------------------------------------------------------------
+# spec parsing
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HFDatasetSpec:
+    """A parsed ``hf:NAME[:CONFIG][@SPLIT][?key=value&...]`` source spec."""
+
+    name: str
+    config: str | None = None
+    split: str = "train"
+    options: tuple[tuple[str, str], ...] = ()
+
+
+def parse_hf_spec(spec: str) -> HFDatasetSpec:
+    """Parse an ``hf:`` source spec; a malformed one raises ``ValueError`` naming it."""
+    if not spec.startswith(HF_PREFIX):
+        raise ValueError(f"source {spec!r} is not an 'hf:' spec")
+    body = spec[len(HF_PREFIX) :]
+    query = ""
+    if "?" in body:
+        body, query = body.split("?", 1)
+    split = "train"
+    if "@" in body:
+        body, split = body.rsplit("@", 1)
+    name, _, config = body.partition(":")
+    options = tuple(parse_qsl(query, keep_blank_values=True)) if query else ()
+    bad_keys = [key for key, _ in options if key not in HF_QUERY_KEYS]
+    if not name or not split or (":" in body and not config) or bad_keys:
+        detail = f"unknown option(s) {bad_keys}; " if bad_keys else ""
+        raise ValueError(
+            f"bad dataset source {spec!r}: {detail}expected 'hf:NAME[:CONFIG][@SPLIT]' with "
+            f"optional '?key=value' options among {', '.join(HF_QUERY_KEYS)}"
+        )
+    return HFDatasetSpec(name=name, config=config or None, split=split, options=options)
+
+
+def is_stdlib_spec(spec: str) -> bool:
+    """Whether ``spec`` names the embedded corpus (``stdlib``, ``stdlib:N``, ``stdlib:all``)."""
+    return spec == STDLIB_SPEC or spec.startswith(STDLIB_SPEC + ":")
+
+
+def stdlib_spec_cap(spec: str) -> int | None:
+    """The byte cap of a ``stdlib[:MAX_BYTES|:all]`` spec (``None`` for ``all``)."""
+    if spec == STDLIB_SPEC:
+        return STDLIB_DEFAULT_BYTES
+    suffix = spec[len(STDLIB_SPEC) + 1 :]
+    if suffix == "all":
+        return None
+    if suffix.isdigit() and int(suffix) > 0:
+        return int(suffix)
+    raise ValueError(
+        f"bad embedded-corpus source {spec!r}: expected 'stdlib', 'stdlib:MAX_BYTES' "
+        "(a positive integer) or 'stdlib:all'"
+    )
+
+
+def check_source_spec(spec: object) -> str:
+    """Check the syntax of one source spec (existence is checked when it is read)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"bad source {spec!r}: expected a non-empty string, one of {SOURCE_FORMS}")
+    if spec.startswith(HF_PREFIX):
+        parse_hf_spec(spec)
+    elif is_stdlib_spec(spec):
+        stdlib_spec_cap(spec)
+    return spec
+
+
+def _is_glob(spec: str) -> bool:
+    return any(char in spec for char in _GLOB_CHARS)
+
+
+def _walk_files(root: Path) -> list[Path]:
+    files: list[Path] = []
+    for directory, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        files.extend(Path(directory, f) for f in filenames if not f.startswith("."))
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def resolve_files(spec: str) -> list[Path]:
+    """The files a path/directory/glob spec names, in deterministic order.
+
+    Raises ``ValueError`` naming the spec when nothing exists there or nothing matches.
+    """
+    path = Path(os.path.expanduser(spec))
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = _walk_files(path)
+        if not files:
+            raise ValueError(f"source {spec!r}: directory contains no files")
+        return files
+    if _is_glob(spec):
+        matches = glob.glob(os.path.expanduser(spec), recursive=True)
+        files = sorted((Path(m) for m in matches if os.path.isfile(m)), key=lambda p: str(p))
+        if not files:
+            raise ValueError(f"source {spec!r}: glob pattern matches no files")
+        return files
+    raise ValueError(f"source {spec!r}: no such file or directory (accepted: {SOURCE_FORMS})")
+
+
+def check_sources_exist(specs: Iterable[str]) -> None:
+    """Fail early (``ValueError`` naming the spec) when a local source does not exist."""
+    for spec in specs:
+        check_source_spec(spec)
+        if not is_stdlib_spec(spec) and not spec.startswith(HF_PREFIX):
+            resolve_files(spec)
+
+
+# --------------------------------------------------------------------------------------------
+# readers
+# --------------------------------------------------------------------------------------------
+def _name_without_gz(path: Path) -> str:
+    name = path.name.lower()
+    return name[:-3] if name.endswith(".gz") else name
+
+
+def _open_binary(path: Path) -> BinaryIO:
+    if path.name.lower().endswith(".gz"):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb")
+
+
+class _Emitter:
+    """Counts documents and replacements; shared by the readers."""
+
+    def __init__(self, stats: SourceStats) -> None:
+        self.stats = stats
+        self.file_had_replacement = False
+
+    def start_file(self) -> None:
+        self.stats.files += 1
+        self.file_had_replacement = False
+
+    def document(self, text: str, replaced: int) -> str:
+        text, more = _clean_text(text)
+        replaced += more
+        if replaced:
+            self.stats.replaced_bytes += replaced
+            self.stats.replaced_documents += 1
+            if not self.file_had_replacement:
+                self.file_had_replacement = True
+                self.stats.replaced_files += 1
+        return text
+
+
+def read_text_file(
+    path: str | os.PathLike[str],
+    *,
+    split: DocumentSplit = "file",
+    stats: SourceStats | None = None,
+) -> Iterator[str]:
+    """Documents of one text file (whole file, paragraphs or lines; ``.gz`` is decompressed)."""
+    if split not in DOCUMENT_SPLITS:
+        raise ValueError(f"split must be one of {DOCUMENT_SPLITS}, got {split!r}")
+    path = Path(path)
+    emit = _Emitter(stats if stats is not None else SourceStats())
+    emit.start_file()
+    with _open_binary(path) as handle:
+        if split == "file":
+            text, replaced = decode_utf8(handle.read())
+            if text:
+                yield emit.document(text, replaced)
+            return
+        # Line by line: '\n' is never part of a multi-byte UTF-8 sequence, so decoding each
+        # line gives exactly the whole-file result with bounded memory.
+        paragraph: list[str] = []
+        paragraph_replaced = 0
+        for raw in handle:
+            line, replaced = decode_utf8(raw)
+            if split == "line":
+                line = line.rstrip("\r\n")
+                if line:
+                    yield emit.document(line, replaced)
+                continue
+            if line.strip():
+                paragraph.append(line)
+                paragraph_replaced += replaced
+            elif paragraph:
+                yield emit.document("".join(paragraph).rstrip("\r\n"), paragraph_replaced)
+                paragraph, paragraph_replaced = [], 0
+        if paragraph:
+            yield emit.document("".join(paragraph).rstrip("\r\n"), paragraph_replaced)
+
+
+def read_jsonl_file(
+    path: str | os.PathLike[str],
+    *,
+    text_field: str = "text",
+    stats: SourceStats | None = None,
+) -> Iterator[str]:
+    """The ``text_field`` string of each JSON object in a JSON-lines file (blank lines skipped).
+
+    A line that is not a JSON object with a string ``text_field`` raises ``ValueError`` naming
+    the file, the line number and the field.
+    """
+    path = Path(path)
+    emit = _Emitter(stats if stats is not None else SourceStats())
+    emit.start_file()
+    with _open_binary(path) as handle:
+        for number, raw in enumerate(handle, start=1):
+            line, replaced = decode_utf8(raw)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            if not isinstance(record, dict) or text_field not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise ValueError(
+                    f"{path}:{number}: no text field {text_field!r} (found {keys}); "
+                    "set text_field to the key that holds the text"
+                )
+            value = record[text_field]
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise ValueError(
+                    f"{path}:{number}: field {text_field!r} holds {type(value).__name__}, "
+                    "expected a string"
+                )
+            if value:
+                yield emit.document(value, replaced)
+
+
+def read_parquet_file(
+    path: str | os.PathLike[str],
+    *,
+    text_field: str = "text",
+    stats: SourceStats | None = None,
+    batch_rows: int = _PARQUET_BATCH_ROWS,
+) -> Iterator[str]:
+    """The ``text_field`` column of a Parquet file, streamed batch by batch (nulls skipped)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as error:  # pragma: no cover - pyarrow is installed in tests
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from error
+    path = Path(path)
+    emit = _Emitter(stats if stats is not None else SourceStats())
+    emit.start_file()
+    parquet = pq.ParquetFile(path)
+    columns = parquet.schema_arrow.names
+    if text_field not in columns:
+        raise ValueError(
+            f"{path}: no column {text_field!r} (columns: {columns}); "
+            "set text_field to the column that holds the text"
+        )
+    for batch in parquet.iter_batches(batch_size=batch_rows, columns=[text_field]):
+        for value in batch.column(0).to_pylist():
+            if value is None:
+                continue
+            if isinstance(value, bytes | bytearray):
+                text, replaced = decode_utf8(bytes(value))
+            elif isinstance(value, str):
+                text, replaced = value, 0
+            else:
+                raise ValueError(
+                    f"{path}: column {text_field!r} holds {type(value).__name__}, expected strings"
+                )
+            if text:
+                yield emit.document(text, replaced)
+
+
+def read_hf_dataset(
+    spec: str | HFDatasetSpec,
+    *,
+    text_field: str = "text",
+    stats: SourceStats | None = None,
+    **load_kwargs: Any,
+) -> Iterator[str]:
+    """Stream the ``text_field`` column of a ``datasets`` dataset (streaming ``load_dataset``).
+
+    Extra keyword arguments go to ``datasets.load_dataset``. Hub datasets need network access
+    (or a populated HF cache); the packaged builders (``text``, ``json``, ``parquet``, ``csv``)
+    read local ``data_files`` offline.
+    """
+    parsed = parse_hf_spec(spec) if isinstance(spec, str) else spec
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError(
+            f"source 'hf:{parsed.name}' needs the datasets package: pip install datasets"
+        ) from error
+    kwargs = {**dict(parsed.options), **load_kwargs}
+    emit = _Emitter(stats if stats is not None else SourceStats())
+    emit.start_file()
+    dataset = datasets.load_dataset(
+        parsed.name, parsed.config, split=parsed.split, streaming=True, **kwargs
+    )
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and text_field not in columns:
+        raise ValueError(
+            f"dataset 'hf:{parsed.name}' has no column {text_field!r} (columns: {columns}); "
+            "set text_field to the column that holds the text"
+        )
+    for row in dataset:
+        value = row.get(text_field)
+        if value is None:
+            continue
+        if isinstance(value, bytes):
+            text, replaced = decode_utf8(value)
+        elif isinstance(value, str):
+            text, replaced = value, 0
+        else:
+            raise ValueError(
+                f"dataset 'hf:{parsed.name}': field {text_field!r} holds "
+                f"{type(value).__name__}, expected strings"
+            )
+        if text:
+            yield emit.document(text, replaced)
+
+
+def read_file(
+    path: str | os.PathLike[str],
+    *,
+    text_field: str = "text",
+    split: DocumentSplit = "file",
+    stats: SourceStats | None = None,
+) -> Iterator[str]:
+    """Documents of one file, dispatched on its suffix (JSON lines, Parquet or text)."""
+    path = Path(path)
+    kind = _name_without_gz(path)
+    if kind.endswith(".jsonl"):
+        return read_jsonl_file(path, text_field=text_field, stats=stats)
+    if path.name.lower().endswith(".parquet"):
+        return read_parquet_file(path, text_field=text_field, stats=stats)
+    return read_text_file(path, split=split, stats=stats)
+
+
+def _iter_one(spec: str, text_field: str, split: DocumentSplit, stats: SourceStats):
+    if is_stdlib_spec(spec):
+        from diffattn.data.corpus import stdlib_files
+
+        cap, used = stdlib_spec_cap(spec), 0
+        for path in stdlib_files():
+            for text in read_text_file(path, stats=stats):
+                size = len(text.encode("utf-8"))
+                if cap is not None and used + size > cap:
+                    stats.truncated = True
+                    text = _fit_utf8(text, cap - used)
+                    if text:
+                        yield text
+                    return
+                used += size
+                yield text
+    elif spec.startswith(HF_PREFIX):
+        yield from read_hf_dataset(spec, text_field=text_field, stats=stats)
+    else:
+        for path in resolve_files(spec):
+            yield from read_file(path, text_field=text_field, split=split, stats=stats)
+
+
+def _fit_utf8(text: str, budget: int) -> str:
+    """The longest prefix of ``text`` whose UTF-8 encoding has at most ``budget`` bytes."""
+    return text.encode("utf-8")[:budget].decode("utf-8", errors="ignore")
+
+
+def iter_documents(
+    sources: str | Iterable[str],
+    *,
+    text_field: str = "text",
+    split: DocumentSplit = "file",
+    max_bytes: int | None = None,
+    stats: SourceStats | None = None,
+) -> Iterator[str]:
+    """All documents of ``sources`` (specs, in the given order), as ``str``.
+
+    ``max_bytes`` caps the total UTF-8 bytes: reading stops there, the last document cut at a
+    character boundary. ``stats`` (a :class:`SourceStats`) is updated while iterating. No
+    error is raised for an empty corpus here; :func:`diffattn.data.prepare_data` does that.
+    """
+    specs = [sources] if isinstance(sources, str) else list(sources)
+    for spec in specs:
+        check_source_spec(spec)
+    if split not in DOCUMENT_SPLITS:
+        raise ValueError(f"split must be one of {DOCUMENT_SPLITS}, got {split!r}")
+    if max_bytes is not None and (isinstance(max_bytes, bool) or max_bytes <= 0):
+        raise ValueError(f"max_bytes must be a positive integer or None, got {max_bytes!r}")
+    stats = stats if stats is not None else SourceStats()
+    for spec in specs:
+        for text in _iter_one(spec, text_field, split, stats):
+            size = len(text.encode("utf-8"))
+            if max_bytes is not None and stats.bytes + size > max_bytes:
+                text = _fit_utf8(text, max_bytes - stats.bytes)
+                stats.truncated = True
+                if text:
+                    stats.documents += 1
+                    stats.bytes += len(text.encode("utf-8"))
+                    yield text
+                return
+            stats.documents += 1
+            stats.bytes += size
+            yield text
+
+
+# --------------------------------------------------------------------------------------------
+# fingerprints (cache keys)
+# --------------------------------------------------------------------------------------------
+def _file_entry(path: Path, root: Path | None = None) -> list[Any]:
+    info = path.stat()
+    name = path.relative_to(root).as_posix() if root is not None else str(path.resolve())
+    return [name, info.st_size, info.st_mtime_ns]
+
+
+def fingerprint_sources(
+    sources: str | Iterable[str],
+    **settings: Any,
+) -> str:
+    """A cheap fingerprint of the corpus the specs name, plus any reader ``settings``.
+
+    Local files count by path, size and modification time (no content read), the embedded
+    corpus by the interpreter version and its files, ``hf:`` datasets by their spec. Touching
+    or editing a file therefore changes the fingerprint; a hub dataset that changes under the
+    same name and revision does not.
+    """
+    specs = [sources] if isinstance(sources, str) else list(sources)
+    entries: list[Any] = []
+    for spec in specs:
+        check_source_spec(spec)
+        if is_stdlib_spec(spec):
+            from diffattn.data.corpus import stdlib_files, stdlib_root
+
+            root = stdlib_root()
+            entries.append([spec, sys.version, [_file_entry(p, root) for p in stdlib_files()]])
+        elif spec.startswith(HF_PREFIX):
+            entries.append([spec])
+        else:
+            entries.append([spec, [_file_entry(p) for p in resolve_files(spec)]])
+    payload = json.dumps({"sources": entries, "settings": settings}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
