@@ -223,6 +223,9 @@ def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False) -> Ite
             raise CheckpointError(f"{out}: directory exists and is not empty (pass overwrite)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; give the usual directory permissions
     try:
         yield tmp
         if out.exists():

@@ -1,0 +1,348 @@
+"""Shared machinery of the Hugging Face ↔ diffattn converters.
+
+Tensor names (per layer ``i``; HF prefixes ``model.`` to everything but the LM head)::
+
+    diffattn                         Hugging Face Llama / DiffLlama
+    embed_tokens.weight              model.embed_tokens.weight
+    layers.i.attn_norm.weight        model.layers.i.input_layernorm.weight
+    layers.i.attn.{q,k,v,o}_proj     model.layers.i.self_attn.{q,k,v,o}_proj
+    layers.i.attn.lambda_{q1,k1,q2,k2}  model.layers.i.self_attn.lambda_{q1,k1,q2,k2}  (DIFF V1)
+    layers.i.ffn_norm.weight         model.layers.i.post_attention_layernorm.weight
+    layers.i.ffn.{gate,up,down}_proj model.layers.i.mlp.{gate,up,down}_proj
+    norm.weight                      model.norm.weight
+    lm_head.weight                   lm_head.weight   (absent when embeddings are tied)
+
+Every tensor keeps its shape across the two layouts; attention weights only have their rows
+(or o_proj's columns) permuted by the model-specific converters. Weights are read from
+safetensors only, and output directories are written atomically
+(:func:`diffattn.checkpoint.atomic_directory`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffattn.checkpoint import (
+    KEY_PREFIX,
+    CheckpointError,
+    atomic_directory,
+    check_state_dict,
+    read_config,
+    read_safetensors,
+    save_model,
+    weight_files,
+)
+from diffattn.config import ModelConfig
+from diffattn.convert.detect import read_json
+from diffattn.model import DiffTransformerLM
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+"""Special-token ids carried from one ``config.json`` to the other."""
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+"""Files copied unchanged from the source directory to the output when present."""
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_LAYER_KEYS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.k_proj.weight": "self_attn.k_proj.weight",
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.o_proj.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn.gate_proj.weight": "mlp.gate_proj.weight",
+    "ffn.up_proj.weight": "mlp.up_proj.weight",
+    "ffn.down_proj.weight": "mlp.down_proj.weight",
+}
+LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+
+# ----------------------------------------------------------------------------------------
+# small helpers
+def require_transformers() -> Any:
+    """Import ``transformers`` or raise ``ImportError`` saying how to install it."""
+    try:
+        import transformers
+    except ImportError as error:  # pragma: no cover - transformers is a dev dependency
+        raise ImportError(
+            "diffattn convert needs the transformers package: pip install 'diffattn[hf]'"
+        ) from error
+    return transformers
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``None``, a :class:`torch.dtype` or one of ``float32``, ``bfloat16``, ``float16``."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if isinstance(dtype, torch.dtype) and dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; choose one of {', '.join(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def check_output_dir(src: Path, out: Path, overwrite: bool) -> None:
+    """Fail early (before any work) if ``out`` may not be written."""
+    if out.exists():
+        if not out.is_dir():
+            raise CheckpointError(f"{out}: exists and is not a directory")
+        if out.resolve() == src.resolve() or src.resolve().is_relative_to(out.resolve()):
+            raise ValueError(f"{out}: the output directory must not hold the source {src}")
+        if any(out.iterdir()) and not overwrite:
+            raise CheckpointError(f"{out}: directory exists and is not empty (pass overwrite)")
+
+
+def tokenizer_writers(src_dir: Path | None) -> dict[str, Callable[[Path], None]]:
+    """Writers (name -> writer(path)) that copy the tokenizer files present in ``src_dir``."""
+    if src_dir is None or not src_dir.is_dir():
+        return {}
+    writers: dict[str, Callable[[Path], None]] = {}
+    for name in TOKENIZER_FILES:
+        source = src_dir / name
+        if source.is_file():
+            writers[name] = lambda target, source=source: shutil.copyfile(source, target)
+    return writers
+
+
+def token_ids(config_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The special-token ids present in a ``config.json`` dict."""
+    return {k: config_dict[k] for k in TOKEN_ID_KEYS if config_dict.get(k) is not None}
+
+
+def cast_state(
+    state: dict[str, torch.Tensor], dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """Floating tensors cast to ``dtype`` (``None`` keeps the stored dtypes)."""
+    if dtype is None:
+        return state
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
+# ----------------------------------------------------------------------------------------
+# names
+def key_map(config: ModelConfig) -> dict[str, str]:
+    """diffattn tensor name -> Hugging Face tensor name for every stored tensor of ``config``."""
+    names = {"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    for i in range(config.n_layers):
+        for ours, theirs in _LAYER_KEYS.items():
+            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+        if config.attention == "diff_v1":
+            for name in LAMBDA_NAMES:
+                names[f"layers.{i}.attn.{name}"] = f"model.layers.{i}.self_attn.{name}"
+    if not config.tie_embeddings:
+        names["lm_head.weight"] = "lm_head.weight"
+    return names
+
+
+def meta_state(config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The state dict of ``DiffTransformerLM(config)`` on the meta device (shapes only)."""
+    with torch.device("meta"):
+        return DiffTransformerLM(config).state_dict()
+
+
+def hf_state_to_diffattn(
+    hf_state: Mapping[str, torch.Tensor], config: ModelConfig, source: str
+) -> dict[str, torch.Tensor]:
+    """Rename an HF state dict to diffattn names, checking names and shapes (HF names in errors).
+
+    A stored ``lm_head.weight`` of a tied model and old ``rotary_emb.inv_freq`` buffers are
+    ignored. Attention weights are not permuted here.
+    """
+    names = key_map(config)
+    expected = meta_state(config)
+    found = {
+        k: v
+        for k, v in hf_state.items()
+        if not k.endswith("rotary_emb.inv_freq")
+        and not (config.tie_embeddings and k == "lm_head.weight")
+    }
+    expected_hf = {theirs: expected[ours] for ours, theirs in names.items()}
+    check_state_dict(expected_hf, found, source)
+    return {ours: found[theirs] for ours, theirs in names.items()}
+
+
+def diffattn_state_to_hf(state: Mapping[str, torch.Tensor], config: ModelConfig) -> dict:
+    """Rename a diffattn state dict (no ``model.`` prefix) to Hugging Face names."""
+    return {theirs: state[ours] for ours, theirs in key_map(config).items()}
+
+
+# ----------------------------------------------------------------------------------------
+# diffattn side
+def read_diffattn_dir(src_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """Config, checked state dict (without the ``model.`` prefix) and raw ``config.json``."""
+    config = read_config(src_dir)
+    raw = read_json(src_dir / "config.json")
+    stored = read_safetensors(weight_files(src_dir))
+    unprefixed = [k for k in stored if not k.startswith(KEY_PREFIX)]
+    if unprefixed:
+        raise CheckpointError(
+            f"{src_dir}: tensor(s) without the {KEY_PREFIX!r} prefix: {', '.join(unprefixed[:5])}"
+        )
+    state = {k[len(KEY_PREFIX) :]: v for k, v in stored.items()}
+    check_state_dict(meta_state(config), state, str(src_dir))
+    return config, state, raw
+
+
+def write_diffattn_dir(
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    out: Path,
+    *,
+    overwrite: bool,
+    tokenizer_dir: Path | None,
+    ids: Mapping[str, Any],
+) -> Path:
+    """Build the model around ``state`` and write it with :func:`diffattn.checkpoint.save_model`.
+
+    Tensors keep their dtype. ``ids`` (special-token ids) are added to ``config.json``, where
+    :func:`diffattn.checkpoint.read_config` ignores them, and tokenizer files are copied from
+    ``tokenizer_dir``.
+    """
+    check_state_dict(meta_state(config), state, "converted weights")
+    with torch.device("meta"):
+        model = DiffTransformerLM(config)
+    model.to_empty(device="cpu")
+    model.rotary.reset_parameters()
+    model.load_state_dict(state, strict=True, assign=True)
+
+    def add_ids(path: Path) -> None:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        data.update(ids)
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+    extra = tokenizer_writers(tokenizer_dir)
+    if ids:
+        extra["config.json"] = add_ids  # runs after save_model has written config.json
+    return save_model(model, out, overwrite=overwrite, extra_files=extra)
+
+
+# ----------------------------------------------------------------------------------------
+# Hugging Face side
+def load_hf_config(src_dir: Path, config_class: Any) -> Any:
+    """The HF config of ``src_dir`` (``config_class.from_pretrained``), errors as ValueError."""
+    try:
+        return config_class.from_pretrained(str(src_dir))
+    except Exception as error:  # transformers' strict configs raise several exception types
+        raise ValueError(f"{src_dir / 'config.json'}: not a valid config ({error})") from error
+
+
+def rope_theta_of(hf_config: Any, source: str) -> float:
+    """RoPE base of an HF config; any rope scaling or partial rotary is a ``ValueError``."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:  # transformers 4.x keeps rope_theta and rope_scaling as attributes
+        scaling = getattr(hf_config, "rope_scaling", None)
+        params = dict(scaling or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if not isinstance(params, Mapping) or "rope_theta" not in params:
+        raise ValueError(
+            f"{source}: rope_parameters={params!r} has no single rope_theta; diffattn needs "
+            "one plain RoPE for all layers"
+        )
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(
+            f"{source}: rope_scaling / rope_parameters with rope_type={rope_type!r} is not "
+            "supported; diffattn implements plain RoPE (rope_type 'default')"
+        )
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(
+            f"{source}: partial_rotary_factor={partial} is not supported; diffattn rotates "
+            "every channel of a head"
+        )
+    return float(params["rope_theta"])
+
+
+def check_common_features(hf_config: Any, source: str) -> None:
+    """Raise a ``ValueError`` naming the first HF setting diffattn cannot reproduce."""
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(
+            f"{source}: hidden_act={act!r} is not supported; diffattn's feed-forward is "
+            "SwiGLU with SiLU ('silu')"
+        )
+    for name in ("attention_bias", "mlp_bias"):
+        if getattr(hf_config, name, False):
+            raise ValueError(
+                f"{source}: {name}=True is not supported; diffattn's projections have no bias"
+            )
+    head_dim = getattr(hf_config, "head_dim", None)
+    if head_dim is not None and (not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2):
+        raise ValueError(f"{source}: head_dim={head_dim!r} must be a positive even integer")
+
+
+def model_config_from_hf(hf_config: Any, source: str, **fields: Any) -> ModelConfig:
+    """The :class:`ModelConfig` of an HF Llama-family config (plus attention ``fields``)."""
+    check_common_features(hf_config, source)
+    n_heads = hf_config.num_attention_heads
+    values = dict(
+        vocab_size=hf_config.vocab_size,
+        d_model=hf_config.hidden_size,
+        n_layers=hf_config.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(hf_config, "num_key_value_heads", None) or n_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_heads,
+        ffn_hidden=hf_config.intermediate_size,
+        max_seq_len=hf_config.max_position_embeddings,
+        rope_theta=rope_theta_of(hf_config, source),
+        rope_style="half",
+        norm_eps=float(hf_config.rms_norm_eps),
+        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        init_std=float(getattr(hf_config, "initializer_range", 0.02)),
+    )
+    values.update(fields)
+    try:
+        return ModelConfig(**values)
+    except ValueError as error:
+        raise ValueError(f"{source}: cannot be expressed as a diffattn model: {error}") from error
+
+
+def read_hf_state(src_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF directory, from safetensors only (pickle ``.bin`` is refused)."""
+    return read_safetensors(weight_files(src_dir))
+
+
+def write_hf_dir(
+    model_class: Any,
+    hf_config: Any,
+    hf_state: dict[str, torch.Tensor],
+    out: Path,
+    *,
+    overwrite: bool,
+    tokenizer_dir: Path | None,
+) -> Path:
+    """Write ``hf_state`` as an HF model directory with ``save_pretrained`` (atomically)."""
+    with torch.device("meta"):
+        model = model_class(hf_config)
+    result = model.load_state_dict(hf_state, strict=False, assign=True)
+    allowed_missing = {"lm_head.weight"} if hf_config.tie_word_embeddings else set()
+    problems = sorted(set(result.missing_keys) - allowed_missing) + sorted(result.unexpected_keys)
+    if problems:  # pragma: no cover - guarded by the state-dict checks before
+        raise CheckpointError(f"converted weights do not fit {model_class.__name__}: {problems}")
+    if hf_config.tie_word_embeddings:
+        model.tie_weights()
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        for name, writer in tokenizer_writers(tokenizer_dir).items():
+            writer(tmp / name)
+        weight_files(tmp)  # the directory must hold safetensors weights
+    return out

@@ -1,0 +1,123 @@
+"""Hugging Face ``LlamaForCausalLM`` ↔ diffattn baseline.
+
+The diffattn baseline *is* a Llama decoder (pre-norm RMSNorm, GQA attention without biases,
+rotate-half RoPE, SwiGLU with SiLU), so the weights map one to one under the names of
+:mod:`diffattn.convert.common`. The only exception is a diffattn baseline trained with
+``rope_style="interleaved"``: its query and key channels are permuted into rotate-half order
+(:func:`diffattn.convert.layout.interleaved_to_half`), which gives identical logits.
+
+Settings a Llama checkpoint may have that diffattn does not implement (rope scaling, partial
+rotary, attention or MLP biases, an activation other than SiLU) are refused with a
+``ValueError`` naming the field. Attention dropout is a training-only setting and is dropped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from diffattn.config import ModelConfig
+from diffattn.convert import common
+from diffattn.convert.layout import interleaved_to_half
+
+
+def llama_config_to_diffattn(hf_config, source: str = "config.json") -> ModelConfig:
+    """The baseline :class:`ModelConfig` equivalent to an HF ``LlamaConfig``."""
+    return common.model_config_from_hf(hf_config, source, attention="baseline")
+
+
+def diffattn_config_to_llama(config: ModelConfig, ids: dict | None = None):
+    """The HF ``LlamaConfig`` equivalent to a diffattn baseline config (``rope_style`` aside)."""
+    transformers = common.require_transformers()
+    if config.attention != "baseline":
+        raise ValueError(
+            f"--to hf-llama needs a diffattn baseline model, got attention={config.attention!r}"
+            + (
+                "; DIFF V1 models convert with --to hf-diffllama"
+                if config.attention == "diff_v1"
+                else "; DIFF V2 has no Hugging Face counterpart"
+            )
+        )
+    if config.d_model % config.n_heads:
+        raise ValueError(
+            f"ModelConfig.d_model={config.d_model} is not divisible by n_heads={config.n_heads}, "
+            "which Hugging Face LlamaConfig requires (head_dim may differ, the ratio may not)"
+        )
+    return transformers.LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=config.ffn_dim,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.dim_per_head,
+        hidden_act="silu",
+        max_position_embeddings=config.max_seq_len,
+        initializer_range=config.init_std,
+        rms_norm_eps=config.norm_eps,
+        tie_word_embeddings=config.tie_embeddings,
+        rope_theta=float(config.rope_theta),
+        attention_bias=False,
+        mlp_bias=False,
+        **{k: (ids or {}).get(k) for k in common.TOKEN_ID_KEYS},
+    )
+
+
+def llama_state_to_diffattn(
+    hf_state: dict[str, torch.Tensor], config: ModelConfig, source: str = "weights"
+) -> dict[str, torch.Tensor]:
+    """Rename (and check) an HF Llama state dict for a diffattn baseline."""
+    return common.hf_state_to_diffattn(hf_state, config, source)
+
+
+def diffattn_state_to_llama(
+    state: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """HF Llama tensors of a diffattn baseline state dict (interleaved RoPE made rotate-half)."""
+    state = dict(state)
+    if config.rope_style == "interleaved":
+        d = config.dim_per_head
+        for i in range(config.n_layers):
+            for name, heads in (("q_proj", config.n_heads), ("k_proj", config.num_kv_heads)):
+                key = f"layers.{i}.attn.{name}.weight"
+                state[key] = interleaved_to_half(state[key], heads, d)
+    return common.diffattn_state_to_hf(state, config)
+
+
+def hf_llama_to_diffattn(
+    src_dir: Path, out: Path, *, overwrite: bool = False, dtype: torch.dtype | None = None
+) -> Path:
+    """Convert an HF Llama directory into a diffattn baseline model directory."""
+    transformers = common.require_transformers()
+    hf_config = common.load_hf_config(src_dir, transformers.LlamaConfig)
+    source = str(src_dir / "config.json")
+    config = llama_config_to_diffattn(hf_config, source)
+    state = llama_state_to_diffattn(common.read_hf_state(src_dir), config, str(src_dir))
+    ids = common.token_ids(common.read_json(src_dir / "config.json"))
+    return common.write_diffattn_dir(
+        config,
+        common.cast_state(state, dtype),
+        out,
+        overwrite=overwrite,
+        tokenizer_dir=src_dir,
+        ids=ids,
+    )
+
+
+def diffattn_to_hf_llama(
+    src_dir: Path, out: Path, *, overwrite: bool = False, dtype: torch.dtype | None = None
+) -> Path:
+    """Convert a diffattn baseline model directory into an HF Llama directory."""
+    transformers = common.require_transformers()
+    config, state, raw = common.read_diffattn_dir(src_dir)
+    hf_config = diffattn_config_to_llama(config, common.token_ids(raw))
+    hf_state = common.cast_state(diffattn_state_to_llama(state, config), dtype)
+    return common.write_hf_dir(
+        transformers.LlamaForCausalLM,
+        hf_config,
+        hf_state,
+        out,
+        overwrite=overwrite,
+        tokenizer_dir=src_dir,
+    )
