@@ -10,6 +10,14 @@ value heads of width 2d. At matched size the cache therefore holds
 ``DynamicCache`` grows by concatenation. ``StaticCache`` is allocated once for a maximum
 length and written in place, so shapes never change (what ``torch.compile`` wants); slots past
 the current length are never read because the causal rule hides keys after the query.
+
+A ``StaticCache`` has two ways of being told where to write. By default it keeps its length
+as a Python int and appends. When the model is called with ``cache_position`` (a 1-D tensor of
+consecutive slot indices), the model hands those slots to the cache with
+:meth:`StaticCache.set_cache_position` and the writes become ``index_copy_`` at tensor indices:
+no Python int changes from one decode step to the next, so a compiled decode step is neither
+re-specialised nor recompiled per token. The length is then only known on the device and is
+read back lazily by :meth:`StaticCache.get_seq_length`.
 """
 
 from __future__ import annotations
@@ -92,31 +100,59 @@ class StaticCache:
         self.values = [
             torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(config.n_layers)
         ]
-        self._length = 0
+        self._length: int | None = 0
         self._pending = 0
+        self._slots: torch.Tensor | None = None  # slots of the current forward (tensor mode)
+        self._end: torch.Tensor | None = None  # the length on the device (after tensor mode)
 
     def get_seq_length(self) -> int:
+        """Tokens already cached. After a forward with ``cache_position`` the length lives on
+        the device and is read back here (one synchronisation), only when asked."""
+        if self._length is None:
+            self._length = int(self._end)
+            self._end = None
         return self._length
+
+    def set_cache_position(self, cache_position: torch.Tensor) -> None:
+        """Make the next forward write its ``n`` tokens at the slots ``cache_position`` (a 1-D
+        tensor of ``n`` indices in ``[0, max_len)``) instead of appending; the model calls
+        this when it is given ``cache_position``. :meth:`advance` clears it again."""
+        self._slots = cache_position
 
     def update(
         self, layer_index: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k``, ``v`` of shape ``(B, H, n, w)`` and return the full buffers."""
+        keys, values = self.keys[layer_index], self.values[layer_index]
+        if self._slots is not None:  # tensor slots: no host value is read (compile-friendly)
+            keys.index_copy_(2, self._slots, k.to(keys.dtype))
+            values.index_copy_(2, self._slots, v.to(values.dtype))
+            return keys, values
         n = k.shape[2]
-        start = self._length
+        start = self.get_seq_length()
         if start + n > self.max_len:
             raise ValueError(
                 f"StaticCache is full: {start} cached + {n} new > max_len={self.max_len}"
             )
-        self.keys[layer_index][:, :, start : start + n] = k
-        self.values[layer_index][:, :, start : start + n] = v
+        keys[:, :, start : start + n] = k
+        values[:, :, start : start + n] = v
         self._pending = n
-        return self.keys[layer_index], self.values[layer_index]
+        return keys, values
 
     def advance(self) -> None:
         """Commit the tokens written by the last forward (all layers)."""
+        if self._slots is not None:
+            # The new length is the slot after the last one written; keep it on the device.
+            self._end = self._slots[-1] + 1
+            self._length = None
+            self._slots = None
+            return
         self._length += self._pending
         self._pending = 0
 
     def reset(self) -> None:
+        """Forget every cached token (the buffers are overwritten by later writes)."""
         self._length = 0
         self._pending = 0
+        self._slots = None
+        self._end = None

@@ -142,6 +142,7 @@ class DiffTransformerLM(nn.Module):
         output_hidden_states: bool = False,
         past_key_values: DynamicCache | StaticCache | None = None,
         use_cache: bool = False,
+        cache_position: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """Run the model.
 
@@ -158,6 +159,11 @@ class DiffTransformerLM(nn.Module):
             past_key_values: a :class:`~diffattn.cache.DynamicCache` or
                 :class:`~diffattn.cache.StaticCache` holding earlier tokens; it is updated.
             use_cache: start a :class:`~diffattn.cache.DynamicCache` when none is given.
+            cache_position: optional ``(N,)`` int64 tensor of consecutive
+                :class:`~diffattn.cache.StaticCache` slots for the new tokens (fixed-shape
+                decoding, e.g. a compiled decode step). ``attention_mask`` is then ``None`` or
+                ``(B, cache.max_len)``, covering the whole buffer (slots after the new tokens
+                are ignored), and nothing is read back from the device.
         """
         if input_ids.dim() != 2:
             raise ValueError(
@@ -167,13 +173,35 @@ class DiffTransformerLM(nn.Module):
         cache = past_key_values
         if cache is None and use_cache:
             cache = DynamicCache()
-        past = cache.get_seq_length() if cache is not None else 0
+        past = 0 if cache is None or cache_position is not None else cache.get_seq_length()
         if past + n > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {past + n} exceeds max_seq_len="
                 f"{self.config.max_seq_len} of this model"
             )
-        if attention_mask is not None:
+        if cache_position is not None:
+            # Fixed shapes into a static buffer: slots come from a tensor and the mask spans
+            # the buffer, so no shape or Python int changes from one decode step to the next.
+            if not isinstance(cache, StaticCache):
+                raise ValueError("cache_position needs a StaticCache as past_key_values")
+            if cache_position.shape != (n,) or cache_position.dtype != torch.long:
+                raise ValueError(
+                    f"cache_position must be an int64 tensor of shape ({n},), one slot per "
+                    f"new token; got {cache_position.dtype} {tuple(cache_position.shape)}"
+                )
+            if attention_mask is None:
+                positions, padding = cache_position.expand(bsz, n), None
+            elif attention_mask.shape != (bsz, cache.max_len):
+                raise ValueError(
+                    f"with cache_position, attention_mask must cover the static buffer: "
+                    f"expected {(bsz, cache.max_len)}, got {tuple(attention_mask.shape)}"
+                )
+            else:
+                positions = position_ids_from_mask(attention_mask)[:, cache_position]
+                padding = attention_mask.bool()
+            mask = AttentionMask(key_padding=padding, query_offset=cache_position[0])
+            cache.set_cache_position(cache_position)
+        elif attention_mask is not None:
             if attention_mask.shape != (bsz, past + n):
                 raise ValueError(
                     f"attention_mask shape {tuple(attention_mask.shape)} does not "

@@ -187,6 +187,9 @@ def sdpa_attention(
 ) -> torch.Tensor:
     """Softmax attention through PyTorch SDPA (see the module docstring for masking)."""
     n, s = q.shape[2], k.shape[2]
+    if isinstance(mask.query_offset, torch.Tensor):
+        # Fixed-shape decoding (a compiled static-cache step): one dense mask, no host reads.
+        return _sdpa(q, k, v, scale, attn_mask=mask.dense(n, s, q.device))
     kind = "none" if mask.key_padding is None else _padding_kind(mask.key_padding)
     full_square = n == s and mask.query_offset == 0
     if kind in ("none", "right") and full_square:

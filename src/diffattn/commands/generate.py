@@ -1,0 +1,259 @@
+"""``diffattn generate MODEL_DIR --prompt TEXT``: stream a continuation to stdout.
+
+The model directory is read with :func:`diffattn.checkpoint.load_model`; the tokenizer is the
+one saved beside it the Hugging Face way (``tokenizer.json``, plus ``tokenizer_config.json``
+when present), loaded with ``transformers`` when it is installed and with ``tokenizers``
+otherwise. The EOS id comes from ``generation_config.json``, else the tokenizer, else
+``config.json``. Text is printed as tokens arrive: the whole sequence is decoded after every
+token and only the new suffix is written (and flushed), holding back a trailing U+FFFD while a
+multi-byte character is still split across tokens. What ends up on stdout is therefore the
+decoded final sequence (the prompt as the tokenizer decodes it, unless ``--no-echo``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+DESCRIPTION = (
+    "Generate text with a diffattn model directory and the tokenizer saved beside it, "
+    "streaming tokens to stdout as they are produced."
+)
+
+DTYPES = ("float32", "bfloat16")
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``generate`` verb's arguments to ``parser``."""
+    from diffattn.config import BACKENDS
+    from diffattn.generation import CACHE_KINDS
+
+    parser.description = parser.description or DESCRIPTION
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="diffattn model directory")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="default: 64")
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="0 means greedy (default: 1.0)"
+    )
+    parser.add_argument("--top-k", type=int, default=None, help="keep the K most probable tokens")
+    parser.add_argument(
+        "--top-p", type=float, default=None, help="nucleus sampling: keep probability mass P"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="seed of the sampling RNG")
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="default: float32")
+    parser.add_argument(
+        "--cache", choices=CACHE_KINDS, default="dynamic", help="KV cache kind (default: dynamic)"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode step with torch.compile (uses the static cache)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="attention backend (default: the one in config.json); 'reference' gives "
+        "--compile a single graph",
+    )
+    parser.add_argument(
+        "--no-echo", action="store_true", help="print only the continuation, not the prompt"
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# tokenizers
+class Tokenizer:
+    """The two calls generation needs, over an HF tokenizer or a ``tokenizers.Tokenizer``."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self._is_hf = hasattr(backend, "convert_ids_to_tokens")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with the special tokens the tokenizer adds (e.g. BOS)."""
+        if self._is_hf:
+            return list(self.backend.encode(text, add_special_tokens=True))
+        return list(self.backend.encode(text).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens (EOS, padding) left out."""
+        ids = list(ids)
+        if self._is_hf:
+            return self.backend.decode(
+                ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return getattr(self.backend, "eos_token_id", None) if self._is_hf else None
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """Load the tokenizer saved in ``model_dir``; a missing or broken one is a
+    :class:`~diffattn.checkpoint.CheckpointError`."""
+    from diffattn.checkpoint import CheckpointError
+
+    model_dir = Path(model_dir)
+    file = model_dir / TOKENIZER_FILE
+    if not file.is_file():
+        raise CheckpointError(
+            f"{model_dir}: no {TOKENIZER_FILE} found; save the model with its tokenizer "
+            "(diffattn.checkpoint.save_model(model, dir, tokenizer=...))"
+        )
+    try:
+        try:
+            import transformers
+        except ImportError:
+            transformers = None
+        if transformers is None:
+            from tokenizers import Tokenizer as RawTokenizer
+
+            return Tokenizer(RawTokenizer.from_file(str(file)))
+        if (model_dir / TOKENIZER_CONFIG_FILE).is_file():
+            return Tokenizer(transformers.AutoTokenizer.from_pretrained(str(model_dir)))
+        return Tokenizer(transformers.PreTrainedTokenizerFast(tokenizer_file=str(file)))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        if isinstance(error, CheckpointError):
+            raise
+        raise CheckpointError(f"{model_dir}: cannot load the tokenizer ({error})") from error
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    from diffattn.checkpoint import CheckpointError
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: not valid JSON ({error})") from error
+    return data if isinstance(data, dict) else {}
+
+
+def eos_token_ids(model_dir: str | Path, tokenizer: Tokenizer) -> int | list[int] | None:
+    """EOS id(s): ``generation_config.json``, else the tokenizer, else ``config.json``."""
+    model_dir = Path(model_dir)
+    generation_config = model_dir / GENERATION_CONFIG_FILE
+    if generation_config.is_file():
+        eos = _read_json(generation_config).get("eos_token_id")
+        if eos is not None:
+            return eos
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    config = model_dir / "config.json"
+    return _read_json(config).get("eos_token_id") if config.is_file() else None
+
+
+# ----------------------------------------------------------------------------------------
+# streaming
+class TextStreamer:
+    """Streams decoded text: ``put(tokens)`` with each new token column (batch of one).
+
+    The text of everything so far is decoded after each token and only the part beyond what
+    was already written is passed to ``write``. A trailing U+FFFD is held back, since it
+    usually marks a multi-byte character whose remaining bytes are in the next tokens;
+    :meth:`end` writes whatever is left. Concatenating the writes gives the decoded sequence.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        write: Callable[[str], Any] | None = None,
+        echo: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids)
+        self._write = write
+        self.text = ""  # everything written (or skipped, for the prompt without echo)
+        prompt_text = tokenizer.decode(self.ids) if self.ids else ""
+        if echo:
+            self._emit(prompt_text.rstrip("\ufffd"))
+        else:
+            self.text = prompt_text.rstrip("\ufffd")
+
+    def _emit(self, piece: str) -> None:
+        if not piece:
+            return
+        self.text += piece
+        if self._write is not None:
+            self._write(piece)
+        else:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    def _flush(self, final: bool) -> None:
+        text = self.tokenizer.decode(self.ids)
+        if not final:
+            text = text.rstrip("\ufffd")
+        if len(text) > len(self.text):
+            self._emit(text[len(self.text) :])
+
+    def put(self, tokens: Any) -> None:
+        """Add one token (a ``(1,)`` tensor, an int or a list with one id) and write."""
+        if hasattr(tokens, "tolist"):
+            tokens = tokens.tolist()
+        self.ids.extend(tokens if isinstance(tokens, list) else [tokens])
+        self._flush(final=False)
+
+    def end(self) -> None:
+        """Write what is left, including a trailing U+FFFD that no token completed."""
+        self._flush(final=True)
+
+
+# ----------------------------------------------------------------------------------------
+def _parse_device(name: str):
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"--device: unknown device {name!r} ({error})") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model and tokenizer, then stream the continuation. Returns the exit status."""
+    import torch
+
+    from diffattn.checkpoint import CheckpointError, load_model
+    from diffattn.generation import GenerationConfig, generate
+
+    model_dir = Path(args.model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: model directory not found")
+    device = _parse_device(args.device)
+    cache = "static" if args.compile else args.cache
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        cache=cache,
+        compile=args.compile,
+    )  # validates the sampling options before anything is loaded
+    tokenizer = load_tokenizer(model_dir)
+    config = config.replace(eos_token_id=eos_token_ids(model_dir, tokenizer))
+    overrides = {"backend": args.backend} if args.backend else {}
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = load_model(model_dir, device=device, dtype=dtype, **overrides)
+    prompt_ids = tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
+    streamer = TextStreamer(tokenizer, prompt_ids, echo=not args.no_echo)
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    generate(model, input_ids, config=config, streamer=streamer)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0
