@@ -1,0 +1,268 @@
+"""Training checkpoints: ``OUT/checkpoints/step-XXXXXXXX/``, written atomically, last k kept.
+
+A checkpoint directory is also a diffattn model directory (``config.json`` +
+``model.safetensors``, written by :func:`diffattn.checkpoint.save_model`), so
+``load_model(OUT/checkpoints/step-00001000)`` loads it. Next to the model it holds:
+
+* ``trainer_state.pt``: the step, the optimizer state (full, keyed by parameter names), the
+  learning-rate schedule, the loss-spike detector, and per rank the RNG states (python, numpy,
+  torch CPU and CUDA) and the data loader position. It is read with
+  ``torch.load(weights_only=True)`` only: plain containers and tensors, no pickled objects.
+* ``train_config.yaml``: the resolved training config.
+* the tokenizer files (``tokenizer.json``, ``tokenizer_config.json``).
+
+Atomicity: everything is written into a hidden temporary sibling
+(``.step-XXXXXXXX.tmp-*``), flushed to disk, and renamed into place, so a crash (even
+``kill -9``) leaves either the complete checkpoint or none; leftovers are removed at the next
+start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from diffattn.checkpoint import CheckpointError, read_config, save_model
+from diffattn.config import ModelConfig
+from diffattn.model import DiffTransformerLM
+
+CHECKPOINTS_DIRNAME = "checkpoints"
+TRAINER_STATE_NAME = "trainer_state.pt"
+CONFIG_YAML_NAME = "train_config.yaml"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+# ModelConfig fields that do not change the weights or the function; they may differ on resume.
+RESUME_FREE_MODEL_FIELDS = frozenset({"backend"})
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the complete checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_RE.match(path.name)
+        if match and path.is_dir() and (path / TRAINER_STATE_NAME).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def remove_partial(root: str | os.PathLike) -> list[Path]:
+    """Delete temporary directories left by an interrupted save; returns them."""
+    root = Path(root)
+    removed = []
+    if root.is_dir():
+        for path in root.iterdir():
+            if path.name.startswith(".step-") and ".tmp-" in path.name:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def prune(root: str | os.PathLike, keep_last: int | None) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints; returns the deleted paths."""
+    if keep_last is None:
+        return []
+    found = list_checkpoints(root)
+    doomed = [path for _, path in found[: max(0, len(found) - keep_last)]]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not every platform can open a directory
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_checkpoint_dir(final: Path) -> Iterator[Path]:
+    """A temporary sibling of ``final`` that is flushed and renamed to ``final`` on success.
+
+    The idea of :func:`diffattn.checkpoint.atomic_directory`, plus ``fsync`` of the files and
+    the parent directory so the rename is durable; an existing ``final`` is replaced only
+    after the new directory is complete.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if final.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-old-", dir=final.parent))
+            os.replace(final, old / final.name)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    model_config: ModelConfig,
+    model_state: dict[str, torch.Tensor],
+    trainer_state: dict[str, Any],
+    config_yaml: str,
+    tokenizer_dir: str | os.PathLike | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Write one checkpoint (rank 0 only; the states are already gathered). Returns its path.
+
+    ``tokenizer_dir``: a directory of tokenizer files copied beside the weights.
+    """
+    root = Path(root)
+    final = root / checkpoint_name(step)
+    with torch.device("meta"):
+        skeleton = DiffTransformerLM(model_config)
+    skeleton.load_state_dict(model_state, strict=True, assign=True)
+    with atomic_checkpoint_dir(final) as tmp:
+        save_model(skeleton, tmp)  # tmp is empty: save_model fills it (atomically itself)
+        state = {"format": FORMAT_VERSION, **trainer_state}
+        torch.save(to_safe(state), tmp / TRAINER_STATE_NAME)
+        (tmp / CONFIG_YAML_NAME).write_text(config_yaml, encoding="utf-8")
+        if tokenizer_dir is not None:
+            for file in sorted(Path(tokenizer_dir).iterdir()):
+                if file.is_file() and not (tmp / file.name).exists():
+                    shutil.copy2(file, tmp / file.name)
+    prune(root, keep_last)
+    return final
+
+
+def load_trainer_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
+    """The ``trainer_state.pt`` of a checkpoint, read with ``weights_only=True``."""
+    path = Path(checkpoint) / TRAINER_STATE_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{checkpoint}: no {TRAINER_STATE_NAME} (not a training checkpoint)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # unpickling errors come in many types
+        raise CheckpointError(f"{path}: unreadable ({error})") from error
+    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: unknown trainer-state format")
+    return from_safe(state)
+
+
+def load_model_state(checkpoint: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model state dict of a checkpoint (names as in ``DiffTransformerLM.state_dict``)."""
+    from diffattn.checkpoint import KEY_PREFIX, read_safetensors, weight_files
+
+    state = read_safetensors(weight_files(checkpoint))
+    return {k[len(KEY_PREFIX) :] if k.startswith(KEY_PREFIX) else k: v for k, v in state.items()}
+
+
+def model_config_differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
+    """``field: saved (checkpoint) vs current (config)`` for each weight-relevant difference."""
+    a, b = saved.to_dict(), current.to_dict()
+    return [
+        f"{name}: {a[name]!r} (checkpoint) vs {b[name]!r} (config)"
+        for name in a
+        if name != "extra" and name not in RESUME_FREE_MODEL_FIELDS and a[name] != b.get(name)
+    ]
+
+
+def read_checkpoint_model_config(checkpoint: str | os.PathLike) -> ModelConfig:
+    return read_config(checkpoint)
+
+
+# ----------------------------------------------------------------------------------------
+# RNG states
+def capture_rng_state() -> dict[str, Any]:
+    """Python, numpy, torch CPU and CUDA generator states as plain values and tensors."""
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": np_state,
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = state["cuda"]
+        if len(cuda_states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+# ----------------------------------------------------------------------------------------
+# weights_only-safe containers
+_ARRAY_TAG = "__ndarray__"
+
+
+def to_safe(obj: Any) -> Any:
+    """``obj`` with numpy arrays and scalars replaced by tensors / Python numbers, so that
+    ``torch.load(weights_only=True)`` reads it; :func:`from_safe` undoes it."""
+    if isinstance(obj, np.ndarray):
+        array = np.ascontiguousarray(obj)
+        if array.dtype.kind == "u":  # stored as int64, bit for bit
+            array = array.view(np.int64) if array.itemsize == 8 else array.astype(np.int64)
+        return {_ARRAY_TAG: torch.from_numpy(array.copy()), "dtype": str(obj.dtype)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: to_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_safe(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_safe(v) for v in obj)
+    return obj
+
+
+def from_safe(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {_ARRAY_TAG, "dtype"}:
+            array, dtype = obj[_ARRAY_TAG].numpy(), np.dtype(obj["dtype"])
+            if dtype.kind == "u" and dtype.itemsize == 8:
+                return array.view(dtype)
+            return array.astype(dtype)
+        return {k: from_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_safe(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(from_safe(v) for v in obj)
+    return obj

@@ -1,0 +1,604 @@
+"""Training configuration: one validated dataclass tree, read from a YAML recipe.
+
+A recipe (``configs/*.yaml``) is a mapping with the sections ``model``, ``data``, ``optim``
+and ``schedule`` plus top-level run settings; ``--set key.sub=value`` overrides any entry, the
+value being parsed as a YAML scalar (``--set optim.lr=3e-4``, ``--set model.n_layers=4``,
+``--set optim.betas=[0.9,0.98]``).
+
+Everything is checked before any work starts. :func:`load_config` and
+:meth:`TrainConfig.from_dict` check keys, types and the combinations that need nothing but the
+config; :func:`check_runtime` adds the checks that depend on the launch (world size, CUDA,
+optional packages). Each problem raises one :class:`ConfigError` whose ``key`` names the
+offending entry (``optim.lr``, ``global_batch_size``, ...).
+
+Defaults follow DIFF V1 (Ye et al., ICLR 2025): AdamW with β = (0.9, 0.95), weight decay 0.1,
+warmup then linear decay to a floor (§3.1, App. D, Table 9).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from diffattn import presets
+from diffattn.config import ATTENTION_TYPES, ModelConfig
+
+Decay = Literal["linear", "cosine", "constant"]
+Device = Literal["auto", "cpu", "cuda"]
+Dtype = Literal["auto", "fp32", "bf16"]
+Parallel = Literal["none", "ddp", "fsdp"]
+FsdpInit = Literal["rank0", "sharded"]
+
+DECAYS: tuple[str, ...] = get_args(Decay)
+DEVICES: tuple[str, ...] = get_args(Device)
+DTYPES: tuple[str, ...] = get_args(Dtype)
+PARALLEL_MODES: tuple[str, ...] = get_args(Parallel)
+
+# ModelConfig fields a recipe may override under ``model:`` (``attention`` has its own key).
+_MODEL_FIELDS = tuple(
+    f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("attention", "extra")
+)
+
+
+class ConfigError(ValueError):
+    """An invalid training setting. ``key`` is the dotted name of the entry at fault."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+# ----------------------------------------------------------------------------------------
+# sections
+@dataclass
+class ModelSection:
+    """Which model to train: a preset, its attention type and field overrides.
+
+    In YAML the overrides sit next to ``preset`` and ``attention``
+    (``model: {preset: tiny, attention: diff_v1, n_layers: 4}``); any
+    :class:`~diffattn.ModelConfig` field may be overridden.
+    """
+
+    preset: str = "tiny"
+    attention: Literal["baseline", "diff_v1", "diff_v2"] = "baseline"
+    match_params: bool = False
+    """DIFF V2 only: narrow the SwiGLU so the parameter count matches the baseline."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Any, prefix: str = "model.") -> ModelSection:
+        data = _require_mapping(data, prefix.rstrip("."))
+        own = {k: data[k] for k in ("preset", "attention", "match_params") if k in data}
+        rest = {k: v for k, v in data.items() if k not in own}
+        if "overrides" in rest:
+            raise ConfigError(
+                f"{prefix}overrides",
+                "write ModelConfig overrides directly under model: (e.g. model.n_layers)",
+            )
+        unknown = sorted(set(rest) - set(_MODEL_FIELDS))
+        if unknown:
+            raise ConfigError(
+                f"{prefix}{unknown[0]}",
+                "unknown key; model takes preset, attention, match_params and the "
+                f"ModelConfig fields {', '.join(_MODEL_FIELDS)}",
+            )
+        section = _build_dataclass(cls, own, prefix)
+        section.overrides = dict(rest)
+        return section
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "preset": self.preset,
+            "attention": self.attention,
+            "match_params": self.match_params,
+            **self.overrides,
+        }
+
+    def build(self) -> ModelConfig:
+        """The validated :class:`ModelConfig`; a bad field raises :class:`ConfigError`."""
+        if self.preset not in presets.names():
+            raise ConfigError(
+                "model.preset",
+                f"unknown preset {self.preset!r}; available: {', '.join(presets.names())}",
+            )
+        try:
+            return presets.get(
+                self.preset,
+                attention=self.attention,
+                match_params=self.match_params,
+                **self.overrides,
+            )
+        except ValueError as error:
+            message = str(error)
+            match = re.match(r"ModelConfig\.(\w+): (.*)", message, flags=re.S)
+            if match:
+                raise ConfigError(f"model.{match.group(1)}", match.group(2)) from None
+            key = "model.match_params" if "match_params" in message else "model"
+            raise ConfigError(key, message) from None
+
+
+@dataclass
+class OptimSection:
+    """AdamW (Loshchilov & Hutter, 2019). Defaults: DIFF V1 Table 9 (3B recipe)."""
+
+    lr: float = 3.2e-4
+    """Peak learning rate (reached after warmup)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Decoupled decay on matrices; norms and DIFF V1's λ vectors are never decayed."""
+    decay_embeddings: bool = True
+    """Decay the token embedding too (the LM head, a projection, is always decayed)."""
+    clip: float | None = 1.0
+    """Max global gradient norm; ``null`` or 0 turns clipping off (the norm is still logged)."""
+
+
+@dataclass
+class ScheduleSection:
+    """Learning-rate schedule: linear warmup, then decay to ``min_lr``.
+
+    ``linear`` is DIFF V1's schedule (§3.1: 1000 warmup steps, then linear decay from 3.2e-4 to
+    1.28e-5); ``cosine`` decays along a half cosine; ``constant`` holds the peak.
+    """
+
+    warmup_steps: int = 0
+    decay: Decay = "linear"
+    min_lr: float = 0.0
+    """The floor reached at ``total_steps`` and held afterwards."""
+    total_steps: int | None = None
+    """Decay horizon; ``null`` means ``steps``. Set it to stop early and extend later with
+    ``--resume`` on the same schedule."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs; see ``docs/training.md`` for each entry."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of :class:`diffattn.data.DataConfig`."""
+    optim: OptimSection = field(default_factory=OptimSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    steps: int = 1000
+    """Optimizer steps to reach (a resumed run continues up to this step)."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step over all ranks."""
+    micro_batch_size: int | None = None
+    """Sequences per forward/backward on one rank; ``null`` means global / world size.
+    Gradient accumulation = global / (micro × world)."""
+    seq_len: int = 256
+    seed: int = 0
+    device: Device = "auto"
+    dtype: Dtype = "auto"
+    """``auto``: bf16 autocast on CUDA, fp32 on CPU. ``bf16`` needs CUDA."""
+    compile: bool = False
+    """``torch.compile`` each decoder block."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block in backward (``torch.utils.checkpoint``, non-reentrant)."""
+    parallel: Parallel = "none"
+    fsdp_init: FsdpInit = "rank0"
+    """FSDP2 initial weights: ``rank0`` builds the full model once on rank 0's CPU and
+    broadcasts it, giving exactly the weights of a single-process run with the same seed;
+    ``sharded`` initialises each shard in place (no full copy anywhere)."""
+    log_every: int = 10
+    eval_every: int = 0
+    """Validation loss every this many steps and at the end; 0 turns it off."""
+    eval_batches: int = 8
+    eval_batch_size: int | None = None
+    """Sequences per validation batch (split over ranks, run in micro batches); ``null``
+    means ``global_batch_size``. The validation windows do not depend on the launch."""
+    checkpoint_every: int = 0
+    """0: checkpoint only at the end (and on SIGINT/SIGTERM)."""
+    keep_last: int | None = 3
+    """Checkpoints kept; ``null`` keeps all."""
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "diffattn"
+    run_name: str | None = None
+    spike_factor: float = 2.0
+    """A step's loss above ``spike_factor`` × the running median counts as a loss spike."""
+    spike_window: int = 50
+
+    # ------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Any) -> TrainConfig:
+        """Build and validate; the first problem raises :class:`ConfigError`."""
+        data = _require_mapping(data, "config")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown key; valid keys are {', '.join(known)}")
+        values = dict(data)
+        model = ModelSection.from_dict(values.pop("model", None) or {})
+        config = _build_dataclass(cls, values, "")
+        config.model = model
+        config.validate()
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, YAML-ready mapping that :meth:`from_dict` reads back."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "model":
+                out[f.name] = value.to_dict()
+            elif dataclasses.is_dataclass(value):
+                out[f.name] = {
+                    k: list(v) if isinstance(v, tuple) else v
+                    for k, v in dataclasses.asdict(value).items()
+                }
+            elif isinstance(value, dict):
+                out[f.name] = dict(value)
+            else:
+                out[f.name] = value
+        return out
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A validated copy with top-level ``changes``."""
+        return TrainConfig.from_dict({**self.to_dict(), **changes})
+
+    # ------------------------------------------------------------------------------------
+    @property
+    def decay_horizon(self) -> int:
+        return self.schedule.total_steps or self.steps
+
+    def model_config(self) -> ModelConfig:
+        return self.model.build()
+
+    def data_config(self) -> Any:
+        """The :class:`diffattn.data.DataConfig` of ``data`` (validated)."""
+        try:
+            from diffattn.data import DataConfig
+        except ImportError as error:
+            raise ConfigError(
+                "data", f"the diffattn.data package is unavailable ({error})"
+            ) from None
+        try:
+            return DataConfig.from_dict(dict(self.data))
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as error:
+            message = str(error)
+            field_match = re.match(r"DataConfig\.(\w+): (.*)", message, flags=re.S)
+            if field_match:
+                raise ConfigError(f"data.{field_match.group(1)}", field_match.group(2)) from None
+            unknown = re.search(r"unknown key\(s\) '([^']+)'", message)
+            key = f"data.{unknown.group(1)}" if unknown else "data"
+            raise ConfigError(key, message) from None
+
+    def validate(self) -> None:
+        """Checks that need only the config (no launch environment)."""
+        positive = ("steps", "global_batch_size", "seq_len", "log_every", "eval_batches")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("micro_batch_size", "eval_batch_size", "keep_last"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(name, f"must be >= 1 or null, got {value}")
+        for name in ("eval_every", "checkpoint_every", "seed"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ConfigError(
+                "seq_len", f"must be >= 2 (inputs and shifted labels), got {self.seq_len}"
+            )
+        mb = self.micro_batch_size
+        if mb is not None:
+            if mb > self.global_batch_size:
+                raise ConfigError(
+                    "micro_batch_size",
+                    f"{mb} is larger than global_batch_size={self.global_batch_size}",
+                )
+            if self.global_batch_size % mb:
+                raise ConfigError(
+                    "global_batch_size",
+                    f"{self.global_batch_size} is not divisible by micro_batch_size={mb}",
+                )
+        self._validate_optim()
+        self._validate_schedule()
+        if self.spike_factor <= 1.0:
+            raise ConfigError("spike_factor", f"must be > 1, got {self.spike_factor}")
+        if self.spike_window < 3:
+            raise ConfigError("spike_window", f"must be >= 3, got {self.spike_window}")
+        if self.dtype == "bf16" and self.device == "cpu":
+            raise ConfigError("dtype", "bf16 autocast runs on CUDA only; use fp32 (or auto) on CPU")
+        if self.parallel != "fsdp" and self.fsdp_init != "rank0":
+            raise ConfigError("fsdp_init", "only applies to parallel: fsdp")
+        model = self.model_config()
+        if self.seq_len > model.max_seq_len:
+            raise ConfigError(
+                "seq_len",
+                f"{self.seq_len} exceeds the model's max_seq_len={model.max_seq_len} "
+                "(raise model.max_seq_len)",
+            )
+        self.data_config()
+
+    def _validate_optim(self) -> None:
+        o = self.optim
+        if not 0.0 < o.lr < math.inf:
+            raise ConfigError("optim.lr", f"must be a positive finite number, got {o.lr}")
+        if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+            raise ConfigError("optim.betas", f"must be two numbers in [0, 1), got {list(o.betas)}")
+        if not o.eps > 0.0:
+            raise ConfigError("optim.eps", f"must be > 0, got {o.eps}")
+        if not o.weight_decay >= 0.0:
+            raise ConfigError("optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+        if o.clip is not None and not o.clip >= 0.0:
+            raise ConfigError("optim.clip", f"must be >= 0 or null, got {o.clip}")
+
+    def _validate_schedule(self) -> None:
+        s = self.schedule
+        if s.warmup_steps < 0:
+            raise ConfigError("schedule.warmup_steps", f"must be >= 0, got {s.warmup_steps}")
+        if s.total_steps is not None and s.total_steps < 1:
+            raise ConfigError("schedule.total_steps", f"must be >= 1 or null, got {s.total_steps}")
+        if s.warmup_steps > self.decay_horizon:
+            name = "total_steps" if s.total_steps is not None else "steps"
+            raise ConfigError(
+                "schedule.warmup_steps",
+                f"{s.warmup_steps} warmup steps exceed the {self.decay_horizon} "
+                f"steps of the schedule ({name})",
+            )
+        if not 0.0 <= s.min_lr <= self.optim.lr:
+            raise ConfigError(
+                "schedule.min_lr", f"must lie in [0, optim.lr={self.optim.lr}], got {s.min_lr}"
+            )
+
+
+# ----------------------------------------------------------------------------------------
+# loading
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Read a YAML recipe, apply ``key.sub=value`` overrides, validate."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config", f"{path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as error:
+        raise ConfigError("config", f"{path}: not valid YAML ({error})") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path}: expected a mapping at the top level")
+    return TrainConfig.from_dict(apply_overrides(data, overrides))
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``data`` with each ``key.sub=value`` applied (value parsed as a YAML scalar)."""
+    import copy
+
+    import yaml
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError("--set", f"expected key.sub=value, got {item!r}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as error:
+            raise ConfigError(key, f"cannot parse {raw!r} ({error})") from None
+        parts = key.split(".")
+        node = out
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(parts[: depth + 1]), "is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def dump_config(config: TrainConfig) -> str:
+    """The resolved config as YAML text."""
+    import yaml
+
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------------------
+# runtime checks
+def check_runtime(config: TrainConfig, env: Any, cuda_available: bool | None = None) -> None:
+    """Checks that depend on the launch: world size, CUDA, optional packages.
+
+    ``env`` is a :class:`diffattn.train.distributed.DistEnv`.
+    """
+    import torch
+
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if config.device == "cuda" and not cuda_available:
+        raise ConfigError("device", "cuda requested but CUDA is not available")
+    device_type = (
+        "cuda" if config.device == "cuda" or (config.device == "auto" and cuda_available) else "cpu"
+    )
+    if config.dtype == "bf16" and device_type != "cuda":
+        raise ConfigError("dtype", "bf16 autocast runs on CUDA only; this run is on CPU")
+    if config.parallel != "none" and not env.launched:
+        raise ConfigError(
+            "parallel",
+            f"{config.parallel!r} needs a distributed launch (torchrun sets RANK, WORLD_SIZE, "
+            "MASTER_ADDR); run under torchrun or set parallel: none",
+        )
+    if config.parallel == "none" and env.world_size > 1:
+        raise ConfigError(
+            "parallel",
+            f"launched with {env.world_size} processes but parallel is 'none'; "
+            "set parallel: ddp or fsdp",
+        )
+    world = env.world_size
+    micro = config.micro_batch_size
+    if config.global_batch_size % world:
+        raise ConfigError(
+            "global_batch_size",
+            f"{config.global_batch_size} is not divisible by the world size {world}",
+        )
+    if micro is not None and config.global_batch_size % (micro * world):
+        raise ConfigError(
+            "global_batch_size",
+            f"{config.global_batch_size} is not divisible by micro_batch_size × world size "
+            f"= {micro} × {world}",
+        )
+    eval_size = config.eval_batch_size or config.global_batch_size
+    if config.eval_every and eval_size % world:
+        raise ConfigError(
+            "eval_batch_size", f"{eval_size} is not divisible by the world size {world}"
+        )
+    if config.tensorboard:
+        try:
+            import torch.utils.tensorboard
+        except ImportError:
+            raise ConfigError(
+                "tensorboard",
+                "true, but the tensorboard package is not installed (pip install tensorboard)",
+            ) from None
+    if config.wandb:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                "wandb", "true, but the wandb package is not installed (pip install wandb)"
+            )
+
+
+# ----------------------------------------------------------------------------------------
+# generic dataclass building
+def _require_mapping(data: Any, key: str) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(key, f"expected a mapping, got {type(data).__name__} {data!r}")
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(key, f"keys must be strings, got {bad[0]!r}")
+    return data
+
+
+def _build_dataclass(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    data = _require_mapping(data, prefix.rstrip(".") or "config")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        section = prefix.rstrip(".") or "the top level"
+        raise ConfigError(
+            f"{prefix}{unknown[0]}", f"unknown key; valid keys in {section} are {', '.join(names)}"
+        )
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        hint = hints[name]
+        key = prefix + name
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            kwargs[name] = _build_dataclass(hint, data[name], key + ".")
+        else:
+            kwargs[name] = _coerce(key, data[name], hint)
+    return cls(**kwargs)
+
+
+def _describe(hint: Any) -> str:
+    origin = get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(hint))
+    if hint is type(None):
+        return "null"
+    if hint is float:
+        return "a number"
+    if hint is int:
+        return "an integer"
+    if hint is bool:
+        return "true or false"
+    if hint is str:
+        return "a string"
+    if origin is tuple:
+        return f"a list of {len(get_args(hint))} numbers"
+    if origin is dict or hint is dict:
+        return "a mapping"
+    return str(hint)
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """``value`` checked against the type ``hint``; a mismatch raises :class:`ConfigError`."""
+    origin = get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(key, value, option)
+            except ConfigError:
+                continue
+        raise ConfigError(key, f"expected {_describe(hint)}, got {value!r}")
+    if origin is Literal:
+        if value in get_args(hint) and isinstance(value, str):
+            return value
+        raise ConfigError(key, f"expected {_describe(hint)}, got {value!r}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                number = float(value)
+            except ValueError:
+                number = None
+        else:
+            number = None
+        if number is not None and not math.isnan(number):
+            return number
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    elif origin is tuple:
+        items = get_args(hint)
+        if isinstance(value, list | tuple) and len(value) == len(items):
+            return tuple(
+                _coerce(f"{key}[{i}]", v, t)
+                for i, (v, t) in enumerate(zip(value, items, strict=True))
+            )
+    elif origin is dict or hint is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    else:  # pragma: no cover - a field type this module does not know
+        raise TypeError(f"unsupported config field type {hint!r} for {key}")
+    raise ConfigError(key, f"expected {_describe(hint)}, got {value!r}")
+
+
+__all__ = [
+    "ATTENTION_TYPES",
+    "DECAYS",
+    "DEVICES",
+    "DTYPES",
+    "PARALLEL_MODES",
+    "ConfigError",
+    "ModelSection",
+    "OptimSection",
+    "ScheduleSection",
+    "TrainConfig",
+    "apply_overrides",
+    "check_runtime",
+    "dump_config",
+    "load_config",
+]

@@ -1,0 +1,311 @@
+"""What a run records: ``OUT/metrics.jsonl``, λ probes, loss spikes, TensorBoard, W&B, progress.
+
+One JSON object per logged step in ``metrics.jsonl`` (fields in ``docs/training.md``). DIFF V1
+records ``lambda``: per layer the scalar λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init of Eq.2
+(``DiffAttentionV1.lambda_full``). DIFF V2 records ``lambda_mean``: per layer the mean over
+tokens and heads of the λ the layer applied (sigmoid(x·W_λ) in the V2 blog's formula), caught
+by a forward hook on ``lambda_proj`` during the training forwards of the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffattn.attention.diff_v1 import DiffAttentionV1
+from diffattn.attention.diff_v2 import DiffAttentionV2
+from diffattn.model import DiffTransformerLM
+from diffattn.train import distributed
+
+METRICS_NAME = "metrics.jsonl"
+TENSORBOARD_DIRNAME = "tensorboard"
+WANDB_ID_NAME = "wandb_run_id.txt"
+
+
+def _plain(value: Any) -> float:
+    """A Python float from a tensor or DTensor (gathering a sharded value)."""
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)
+
+
+class LambdaProbe:
+    """Per-layer λ of a DIFF V1 or V2 model (nothing for the baseline)."""
+
+    def __init__(self, model: DiffTransformerLM) -> None:
+        self.v1 = [b.attn for b in model.layers if isinstance(b.attn, DiffAttentionV1)]
+        self.v2 = [
+            b.attn
+            for b in model.layers
+            if isinstance(b.attn, DiffAttentionV2) and b.attn.lambda_proj is not None
+        ]
+        self.capturing = False
+        self._sums: list[torch.Tensor | float] = [0.0] * len(self.v2)
+        self._counts = [0] * len(self.v2)
+        self._handles = [
+            attn.lambda_proj.register_forward_hook(self._make_hook(i))
+            for i, attn in enumerate(self.v2)
+        ]
+
+    @property
+    def key(self) -> str | None:
+        if self.v1:
+            return "lambda"
+        if self.v2:
+            return "lambda_mean"
+        return None
+
+    def _make_hook(self, index: int):
+        sigmoid = self.v2[index].config.v2_lambda_sigmoid
+
+        def hook(module, inputs, output):
+            if self.capturing:
+                lam = output.detach().float()
+                if sigmoid:
+                    lam = torch.sigmoid(lam)
+                self._sums[index] = self._sums[index] + lam.sum()
+                self._counts[index] += lam.numel()
+
+        return hook
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Record V2's λ during the forwards inside this block (not in recomputation)."""
+        self.capturing = True
+        try:
+            yield
+        finally:
+            self.capturing = False
+
+    def collect(self, device: torch.device) -> dict[str, list[float]]:
+        """The per-layer values since the last call, averaged over ranks. Collective."""
+        if self.v1:
+            with torch.no_grad():
+                return {"lambda": [_plain(attn.lambda_full()) for attn in self.v1]}
+        if self.v2:
+            sums = torch.tensor([float(s) for s in self._sums], device=device, dtype=torch.float64)
+            counts = torch.tensor(self._counts, device=device, dtype=torch.float64)
+            distributed.all_reduce_sum(sums)
+            distributed.all_reduce_sum(counts)
+            self._sums = [0.0] * len(self.v2)
+            self._counts = [0] * len(self.v2)
+            means = (sums / counts.clamp_min(1)).tolist()
+            return {
+                "lambda_mean": [
+                    m if c > 0 else math.nan for m, c in zip(means, counts.tolist(), strict=True)
+                ]
+            }
+        return {}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class SpikeDetector:
+    """Counts steps whose loss exceeds ``factor`` × the median of the last ``window`` losses
+    (checked once at least ``min(10, window)`` losses are known)."""
+
+    def __init__(self, factor: float, window: int) -> None:
+        self.factor = factor
+        self.window = window
+        self.history: deque[float] = deque(maxlen=window)
+        self.count = 0
+
+    def update(self, loss: float) -> bool:
+        spike = len(self.history) >= min(10, self.window) and loss > self.factor * (
+            statistics.median(self.history)
+        )
+        self.count += int(spike)
+        self.history.append(loss)
+        return spike
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history), "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = deque((float(x) for x in state["history"]), maxlen=self.window)
+        self.count = int(state["count"])
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+class MetricsLogger:
+    """Rank 0's sinks: ``metrics.jsonl``, optionally TensorBoard and Weights & Biases.
+
+    On resume the JSON lines after the resumed step (written before a crash) are dropped, so
+    every step appears once.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        *,
+        enabled: bool = True,
+        resume_step: int | None = None,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        wandb_project: str = "diffattn",
+        run_name: str | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self.path = Path(out_dir) / METRICS_NAME
+        self._file = None
+        self._tb = None
+        self._wandb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            self.path.write_text("", encoding="utf-8")
+        else:
+            self._truncate_after(resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(
+                str(Path(out_dir) / TENSORBOARD_DIRNAME),
+                purge_step=None if resume_step is None else resume_step + 1,
+            )
+        if wandb:
+            self._wandb = _start_wandb(Path(out_dir), wandb_project, run_name, config, resume_step)
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.path.is_file():
+            return
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                kept.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record, default=_json_default) + "\n")
+        self._file.flush()
+        step = record["step"]
+        scalars = {}
+        for key, value in record.items():
+            if key == "step":
+                continue
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                scalars[key] = value
+            elif isinstance(value, list) and key.startswith("lambda"):
+                for layer, item in enumerate(value):
+                    scalars[f"{key}/layer_{layer:02d}"] = item
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _start_wandb(
+    out_dir: Path,
+    project: str,
+    name: str | None,
+    config: dict[str, Any] | None,
+    resume_step: int | None,
+):
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError("wandb: true, but the wandb package is not installed") from None
+    id_file = out_dir / WANDB_ID_NAME
+    run_id = None
+    if resume_step is not None and id_file.is_file():
+        run_id = id_file.read_text(encoding="utf-8").strip() or None
+    run = wandb.init(
+        project=project, name=name, config=config, dir=str(out_dir), id=run_id, resume="allow"
+    )
+    id_file.write_text(run.id, encoding="utf-8")
+    return run
+
+
+def read_metrics(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of ``OUT/metrics.jsonl`` in order."""
+    path = Path(out_dir) / METRICS_NAME
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+class Progress:
+    """A tqdm bar (loss, lr, tokens/s, ETA) on rank 0; messages go above it."""
+
+    def __init__(self, enabled: bool, total: int, initial: int) -> None:
+        self.enabled = enabled
+        self._bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(
+                total=total,
+                initial=initial,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+
+    def update(self, loss: float, lr: float, tokens_per_s: float) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix(
+                loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False
+            )
+            self._bar.update(1)
+
+    def write(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

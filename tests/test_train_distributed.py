@@ -1,0 +1,124 @@
+"""Two processes on CPU (gloo, torchrun on 127.0.0.1) give the single-process losses.
+
+DDP and FSDP2 split each global batch over the ranks; the losses, validation losses and λ
+equal a single process training on the same global batch. A checkpoint written under FSDP2
+is a full model directory that loads, and resumes, in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from diffattn.checkpoint import load_model
+from diffattn.train import TrainConfig, train
+from diffattn.train.parallel import parallelize
+from test_train_helpers import (
+    shared_data_cache,
+    single_thread,
+    tiny_recipe,
+    torchrun,
+    write_recipe,
+)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    return shared_data_cache(tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with single_thread():
+        yield
+
+
+TOLERANCE = 1e-5
+
+
+def _records(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _compare(reference: list[dict], distributed: list[dict], keys=("loss", "val_loss")):
+    assert [r["step"] for r in reference] == [r["step"] for r in distributed]
+    worst = 0.0
+    for ref, got in zip(reference, distributed, strict=True):
+        for key in keys:
+            if key in ref:
+                worst = max(worst, abs(ref[key] - got[key]))
+        for key in ("lambda", "lambda_mean"):
+            if key in ref:
+                worst = max(worst, max(abs(a - b) for a, b in zip(ref[key], got[key], strict=True)))
+    assert worst <= TOLERANCE, worst
+    return worst
+
+
+def test_ddp_two_processes_equal_one_process(tmp_path, data_cache):
+    recipe = tiny_recipe(data_cache, steps=4, eval_every=2, model={"attention": "diff_v2"})
+    reference = tmp_path / "single"
+    train(TrainConfig.from_dict(recipe), reference, progress=False)
+    path = write_recipe(tmp_path / "ddp.yaml", {**recipe, "parallel": "ddp"})
+    result = torchrun([str(path), "--out", str(tmp_path / "ddp"), "--quiet"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    _compare(_records(reference), _records(tmp_path / "ddp"))
+
+
+def test_fsdp2_two_processes_equal_one_process_and_checkpoint_loads_alone(tmp_path, data_cache):
+    recipe = tiny_recipe(data_cache, steps=6, eval_every=2)
+    reference = tmp_path / "single"
+    single = train(
+        TrainConfig.from_dict({**recipe, "checkpoint_every": 4}), reference, progress=False
+    )
+    sharded_recipe = {**recipe, "parallel": "fsdp", "micro_batch_size": 2}
+    sharded_recipe["activation_checkpointing"] = True
+    path = write_recipe(tmp_path / "fsdp.yaml", sharded_recipe)
+    out = tmp_path / "fsdp"
+    result = torchrun([str(path), "--out", str(out), "--steps", "4", "--quiet"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    _compare(_records(reference)[:4], _records(out))
+
+    # the FSDP2 checkpoint is a full model directory equal to the single-process one (Adam
+    # divides by sqrt(v), so where a gradient is ~0 a rounding difference in the reduction
+    # order moves a weight by up to ~lr·1e-3; 1e-4 bounds that at lr 3e-3)
+    sharded_model = load_model(out / "checkpoints" / "step-00000004")
+    single_model = load_model(reference / "checkpoints" / "step-00000004")
+    for (name, a), (_, b) in zip(
+        sharded_model.state_dict().items(), single_model.state_dict().items(), strict=True
+    ):
+        assert torch.allclose(a, b, atol=1e-4, rtol=0), name
+
+    # ... and resumes in one process, continuing like the single-process run
+    moved = tmp_path / "continued"
+    shutil.copytree(out, moved)
+    resumed = train(TrainConfig.from_dict(recipe), moved, resume=True, progress=False)
+    assert sorted(resumed.losses) == [5, 6]
+    for step in (5, 6):
+        assert abs(resumed.losses[step] - single.losses[step]) <= TOLERANCE
+
+
+def test_parallelize_rejects_an_unknown_mode():
+    from diffattn import DiffTransformerLM, ModelConfig
+
+    model = DiffTransformerLM(ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=4))
+    assert parallelize(model, "none") is model
+    with pytest.raises(ValueError, match="unknown parallel mode 'zero'"):
+        parallelize(model, "zero")
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_initialisation_trains(tmp_path, data_cache):
+    """fsdp_init: sharded fills each shard in place (no full copy); the run trains."""
+    recipe = tiny_recipe(data_cache, steps=6, parallel="fsdp", fsdp_init="sharded")
+    path = write_recipe(tmp_path / "fsdp.yaml", recipe)
+    result = torchrun([str(path), "--out", str(tmp_path / "run"), "--quiet"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [r["loss"] for r in _records(tmp_path / "run")]
+    assert len(losses) == 6 and all(map(math.isfinite, losses))
+    assert losses[-1] < losses[0]
+    model = load_model(tmp_path / "run" / "checkpoints" / "step-00000006")
+    assert all(torch.isfinite(p).all() for p in model.parameters())

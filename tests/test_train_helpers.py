@@ -1,0 +1,125 @@
+"""Shared pieces of the trainer tests: a tiny recipe, a shared data cache, subprocess runs.
+
+No tests live here; the ``test_train_*`` modules import from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_recipe(cache_dir: str | os.PathLike, **changes: Any) -> dict[str, Any]:
+    """A recipe that trains in well under a second per step on one CPU thread."""
+    recipe: dict[str, Any] = {
+        "model": {
+            "preset": "tiny",
+            "attention": "diff_v1",
+            "vocab_size": 512,
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 4,
+            "head_dim": 8,
+            "max_seq_len": 64,
+        },
+        "data": {
+            "sources": ["stdlib"],
+            "tokenizer": "bpe:512",
+            "max_bytes": 300_000,
+            "valid_fraction": 0.2,
+            "cache_dir": str(cache_dir),
+        },
+        "optim": {"lr": 3e-3},
+        "schedule": {"warmup_steps": 2, "total_steps": 50},
+        "steps": 8,
+        "global_batch_size": 8,
+        "micro_batch_size": 4,
+        "seq_len": 32,
+        "log_every": 1,
+        "eval_every": 0,
+        "eval_batches": 2,
+        "checkpoint_every": 0,
+    }
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(recipe.get(key), dict):
+            recipe[key] = {**recipe[key], **value}
+        else:
+            recipe[key] = value
+    return recipe
+
+
+def write_recipe(path: Path, recipe: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    return path
+
+
+_SHARED: dict[str, Path] = {}
+
+
+def shared_data_cache(tmp_path_factory) -> Path:
+    """One data cache for the whole session (the BPE and shards are built once)."""
+    if "cache" not in _SHARED:
+        _SHARED["cache"] = tmp_path_factory.mktemp("train-data-cache")
+    return _SHARED["cache"]
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Single-threaded torch: the test machine is small and shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc -m diffattn.train ARGS`` on 127.0.0.1."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--nnodes=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        "-m",
+        "diffattn.train",
+        *args,
+    ]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=subprocess_env()
+    )
+
+
+def read_losses(out_dir: Path) -> dict[int, float]:
+    lines = (out_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
