@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
+
+# Verbs implemented in diffattn.commands.<verb> (each has add_arguments(parser) and run(args)).
+VERBS: tuple[tuple[str, str], ...] = (
+    ("compare", "train baseline, DIFF V1 and DIFF V2 the same way and report (the main job)"),
+    ("train", "train a model from a YAML recipe (single process or torchrun)"),
+    ("generate", "generate text from a model directory, streaming tokens"),
+    ("convert", "convert weights between HF Llama / DiffLlama / GGUF and diffattn"),
+)
 
 
 def _presets_command(args: argparse.Namespace) -> int:
@@ -46,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     sizes = verbs.add_parser("presets", help="list presets with parameter counts per type")
     sizes.add_argument("name", nargs="?", help="one preset (default: all)")
     sizes.set_defaults(handler=_presets_command)
+
+    for verb, help_text in VERBS:
+        module = importlib.import_module(f"diffattn.commands.{verb}")
+        sub = verbs.add_parser(
+            verb, help=help_text, description=getattr(module, "DESCRIPTION", None)
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(handler=module.run)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Recipes shipped inside the package (``compare.yaml``: the default of ``diffattn compare``)."""
