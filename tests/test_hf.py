@@ -221,3 +221,15 @@ def test_hf_loss_matches_model_loss():
     hf = DiffAttnForCausalLM.from_diffattn(model)
     ids = torch.randint(0, VOCAB, (2, 9))
     torch.testing.assert_close(hf(ids, labels=ids).loss, model(ids, labels=ids).loss)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_hf_generate_equals_diffattn_generation(attention):
+    from diffattn.generation import generate
+
+    model = tiny_model(attention, seed=7)
+    hf = DiffAttnForCausalLM.from_diffattn(model).eval()
+    ids = torch.randint(1, VOCAB, (2, 5))
+    ours = generate(model, ids, max_new_tokens=8, do_sample=False).sequences
+    theirs = hf.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=0)
