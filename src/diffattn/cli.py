@@ -13,6 +13,7 @@ VERBS: tuple[tuple[str, str], ...] = (
     ("train", "train a model from a YAML recipe (single process or torchrun)"),
     ("generate", "generate text from a model directory, streaming tokens"),
     ("convert", "convert weights between HF Llama / DiffLlama / GGUF and diffattn"),
+    ("dex", "Dex on a pretrained decoder: select heads, train, merge, compare"),
 )
 
 

