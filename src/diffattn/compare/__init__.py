@@ -1,6 +1,6 @@
 """``diffattn compare``: baseline vs DIFF V1 vs DIFF V2, trained the same way, one report.
 
-A fair comparison (DIFF V1 §3; DESIGN §4) holds everything but the attention fixed: every run
+A fair comparison (DIFF V1 §3) holds everything but the attention fixed: every run
 starts from the same recipe, reads the same prepared tokens in the same order (the loader is
 seeded by the run's seed, identical across attention types), uses the same initialisation seed,
 and has the same parameter count (DIFF V1 matches the baseline by construction, DIFF V2 through
