@@ -3,7 +3,7 @@
 If ``transformers`` is already in ``sys.modules`` we register now. Otherwise a one-shot
 ``sys.meta_path`` finder wraps the loader of the top-level ``transformers`` package so that
 :func:`diffattn.hf.register` runs right after that package finishes importing; the finder
-removes itself on first use. Nothing happens when transformers is not installed.
+removes itself once that has happened. Nothing happens when transformers is not installed.
 """
 
 from __future__ import annotations
@@ -27,19 +27,33 @@ def _register_quietly() -> None:
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the real loader of ``transformers``."""
+    """Finds nothing itself; wraps the loader of ``transformers`` found by the other finders.
+
+    It stays installed until transformers has actually been executed, so availability checks
+    such as ``importlib.util.find_spec("transformers")`` (which also consult this finder but
+    import nothing) do not use it up.
+    """
 
     def find_spec(self, fullname, path, target=None):
         if fullname != "transformers":
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module
+        finder = self
 
         def exec_and_register(module):
             exec_module(module)
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
             _register_quietly()
 
         spec.loader.exec_module = exec_and_register
