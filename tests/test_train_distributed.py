@@ -18,23 +18,12 @@ from diffattn.checkpoint import load_model
 from diffattn.train import TrainConfig, train
 from diffattn.train.parallel import parallelize
 from test_train_helpers import (
-    shared_data_cache,
-    single_thread,
     tiny_recipe,
     torchrun,
     write_recipe,
 )
 
-
-@pytest.fixture(scope="session")
-def data_cache(tmp_path_factory):
-    return shared_data_cache(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TOLERANCE = 1e-5

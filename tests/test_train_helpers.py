@@ -5,17 +5,14 @@ No tests live here; the ``test_train_*`` modules import from it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,27 +62,6 @@ def write_recipe(path: Path, recipe: dict[str, Any]) -> Path:
     return path
 
 
-_SHARED: dict[str, Path] = {}
-
-
-def shared_data_cache(tmp_path_factory) -> Path:
-    """One data cache for the whole session (the BPE and shards are built once)."""
-    if "cache" not in _SHARED:
-        _SHARED["cache"] = tmp_path_factory.mktemp("train-data-cache")
-    return _SHARED["cache"]
-
-
-@contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """Single-threaded torch: the test machine is small and shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -123,3 +99,14 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 240) -> subproces
 def read_losses(out_dir: Path) -> dict[int, float]:
     lines = (out_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def train_cli(*argv: str) -> int:
+    """``diffattn train ARGV --quiet`` through the command module; returns the exit code."""
+    import argparse
+
+    from diffattn.commands import train as train_command
+
+    parser = argparse.ArgumentParser()
+    train_command.add_arguments(parser)
+    return train_command.run(parser.parse_args([*argv, "--quiet"]))

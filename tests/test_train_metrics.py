@@ -11,21 +11,10 @@ from diffattn import DiffTransformerLM, ModelConfig
 from diffattn.train import TrainConfig, read_metrics, train
 from diffattn.train.metrics import LambdaProbe, SpikeDetector
 from test_train_helpers import (
-    shared_data_cache,
-    single_thread,
     tiny_recipe,
 )
 
-
-@pytest.fixture(scope="session")
-def data_cache(tmp_path_factory):
-    return shared_data_cache(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 BASE_FIELDS = {

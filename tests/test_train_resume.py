@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 
 from diffattn.checkpoint import load_model
-from diffattn.commands import train as train_command
 from diffattn.train import ConfigError, TrainConfig, train
 from diffattn.train.checkpoint import (
     TRAINER_STATE_NAME,
@@ -18,28 +16,15 @@ from diffattn.train.checkpoint import (
 )
 from test_train_helpers import (
     read_losses,
-    shared_data_cache,
-    single_thread,
     tiny_recipe,
+    train_cli,
     write_recipe,
 )
 
-
-@pytest.fixture(scope="session")
-def data_cache(tmp_path_factory):
-    return shared_data_cache(tmp_path_factory)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
-
-
-def _cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    train_command.add_arguments(parser)
-    return train_command.run(parser.parse_args([*argv, "--quiet"]))
+_cli = train_cli
 
 
 def test_resume_repeats_the_uninterrupted_losses(tmp_path, data_cache):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import signal
@@ -14,33 +13,19 @@ import pytest
 import torch
 
 from diffattn.checkpoint import load_model
-from diffattn.commands import train as train_command
 from diffattn.train import TrainConfig, TrainingDiverged, train
 from diffattn.train.checkpoint import list_checkpoints
 from test_train_helpers import (
-    shared_data_cache,
-    single_thread,
     subprocess_env,
     tiny_recipe,
+    train_cli,
     write_recipe,
 )
 
-
-@pytest.fixture(scope="session")
-def data_cache(tmp_path_factory):
-    return shared_data_cache(tmp_path_factory)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
-
-
-def _cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    train_command.add_arguments(parser)
-    return train_command.run(parser.parse_args([*argv, "--quiet"]))
+_cli = train_cli
 
 
 def _wait_for_steps(metrics, count: int, process, timeout: float = 120.0) -> int:
