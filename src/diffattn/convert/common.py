@@ -346,3 +346,51 @@ def write_hf_dir(
             writer(tmp / name)
         weight_files(tmp)  # the directory must hold safetensors weights
     return out
+
+
+def convert_hf_to_diffattn(
+    src_dir: Path,
+    out: Path,
+    *,
+    hf_config_name: str,
+    config_fn: Callable[[Any, str], ModelConfig],
+    state_fn: Callable[[dict[str, torch.Tensor], ModelConfig, str], dict[str, torch.Tensor]],
+    overwrite: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Read an HF directory, map config and weights with the two functions, write diffattn."""
+    transformers = require_transformers()
+    hf_config = load_hf_config(src_dir, getattr(transformers, hf_config_name))
+    config = config_fn(hf_config, str(src_dir / "config.json"))
+    state = state_fn(read_hf_state(src_dir), config, str(src_dir))
+    return write_diffattn_dir(
+        config,
+        cast_state(state, dtype),
+        out,
+        overwrite=overwrite,
+        tokenizer_dir=src_dir,
+        ids=token_ids(read_json(src_dir / "config.json")),
+    )
+
+
+def convert_diffattn_to_hf(
+    src_dir: Path,
+    out: Path,
+    *,
+    hf_model_name: str,
+    config_fn: Callable[[ModelConfig, dict[str, Any]], Any],
+    state_fn: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]],
+    overwrite: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Read a diffattn directory, map config and weights with the two functions, write HF."""
+    transformers = require_transformers()
+    config, state, raw = read_diffattn_dir(src_dir)
+    return write_hf_dir(
+        getattr(transformers, hf_model_name),
+        config_fn(config, token_ids(raw)),
+        cast_state(state_fn(state, config), dtype),
+        out,
+        overwrite=overwrite,
+        tokenizer_dir=src_dir,
+    )

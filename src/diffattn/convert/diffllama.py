@@ -147,19 +147,14 @@ def hf_diffllama_to_diffattn(
     src_dir: Path, out: Path, *, overwrite: bool = False, dtype: torch.dtype | None = None
 ) -> Path:
     """Convert an HF DiffLlama directory into a diffattn DIFF V1 model directory."""
-    transformers = common.require_transformers()
-    hf_config = common.load_hf_config(src_dir, transformers.DiffLlamaConfig)
-    source = str(src_dir / "config.json")
-    config = diffllama_config_to_diffattn(hf_config, source)
-    state = diffllama_state_to_diffattn(common.read_hf_state(src_dir), config, str(src_dir))
-    ids = common.token_ids(common.read_json(src_dir / "config.json"))
-    return common.write_diffattn_dir(
-        config,
-        common.cast_state(state, dtype),
+    return common.convert_hf_to_diffattn(
+        src_dir,
         out,
+        hf_config_name="DiffLlamaConfig",
+        config_fn=diffllama_config_to_diffattn,
+        state_fn=diffllama_state_to_diffattn,
         overwrite=overwrite,
-        tokenizer_dir=src_dir,
-        ids=ids,
+        dtype=dtype,
     )
 
 
@@ -167,15 +162,12 @@ def diffattn_to_hf_diffllama(
     src_dir: Path, out: Path, *, overwrite: bool = False, dtype: torch.dtype | None = None
 ) -> Path:
     """Convert a diffattn DIFF V1 model directory into an HF DiffLlama directory."""
-    transformers = common.require_transformers()
-    config, state, raw = common.read_diffattn_dir(src_dir)
-    hf_config = diffattn_config_to_diffllama(config, common.token_ids(raw))
-    hf_state = common.cast_state(diffattn_state_to_diffllama(state, config), dtype)
-    return common.write_hf_dir(
-        transformers.DiffLlamaForCausalLM,
-        hf_config,
-        hf_state,
+    return common.convert_diffattn_to_hf(
+        src_dir,
         out,
+        hf_model_name="DiffLlamaForCausalLM",
+        config_fn=diffattn_config_to_diffllama,
+        state_fn=diffattn_state_to_diffllama,
         overwrite=overwrite,
-        tokenizer_dir=src_dir,
+        dtype=dtype,
     )

@@ -89,19 +89,14 @@ def hf_llama_to_diffattn(
     src_dir: Path, out: Path, *, overwrite: bool = False, dtype: torch.dtype | None = None
 ) -> Path:
     """Convert an HF Llama directory into a diffattn baseline model directory."""
-    transformers = common.require_transformers()
-    hf_config = common.load_hf_config(src_dir, transformers.LlamaConfig)
-    source = str(src_dir / "config.json")
-    config = llama_config_to_diffattn(hf_config, source)
-    state = llama_state_to_diffattn(common.read_hf_state(src_dir), config, str(src_dir))
-    ids = common.token_ids(common.read_json(src_dir / "config.json"))
-    return common.write_diffattn_dir(
-        config,
-        common.cast_state(state, dtype),
+    return common.convert_hf_to_diffattn(
+        src_dir,
         out,
+        hf_config_name="LlamaConfig",
+        config_fn=llama_config_to_diffattn,
+        state_fn=llama_state_to_diffattn,
         overwrite=overwrite,
-        tokenizer_dir=src_dir,
-        ids=ids,
+        dtype=dtype,
     )
 
 
@@ -109,15 +104,12 @@ def diffattn_to_hf_llama(
     src_dir: Path, out: Path, *, overwrite: bool = False, dtype: torch.dtype | None = None
 ) -> Path:
     """Convert a diffattn baseline model directory into an HF Llama directory."""
-    transformers = common.require_transformers()
-    config, state, raw = common.read_diffattn_dir(src_dir)
-    hf_config = diffattn_config_to_llama(config, common.token_ids(raw))
-    hf_state = common.cast_state(diffattn_state_to_llama(state, config), dtype)
-    return common.write_hf_dir(
-        transformers.LlamaForCausalLM,
-        hf_config,
-        hf_state,
+    return common.convert_diffattn_to_hf(
+        src_dir,
         out,
+        hf_model_name="LlamaForCausalLM",
+        config_fn=diffattn_config_to_llama,
+        state_fn=diffattn_state_to_llama,
         overwrite=overwrite,
-        tokenizer_dir=src_dir,
+        dtype=dtype,
     )
