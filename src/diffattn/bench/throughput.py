@@ -192,37 +192,27 @@ def _hf_candidates(configs, device, dtype, seq_len) -> list[Candidate]:
     d-wide half of V, so QKᵀ is computed twice (the split-V two-call form of the FLOP count).
     """
     try:
-        from transformers import (
-            DiffLlamaConfig,
-            DiffLlamaForCausalLM,
-            LlamaConfig,
-            LlamaForCausalLM,
-        )
+        from transformers import DiffLlamaForCausalLM, LlamaForCausalLM
     except ImportError:
         return []
+    from diffattn.convert.diffllama import diffattn_config_to_diffllama
+    from diffattn.convert.llama import diffattn_config_to_llama
+
     base = configs["baseline"]
-    sizes = dict(
-        vocab_size=base.vocab_size,
-        hidden_size=base.d_model,
-        intermediate_size=base.ffn_dim,
-        num_hidden_layers=base.n_layers,
-        num_attention_heads=base.n_heads,
-        num_key_value_heads=base.num_kv_heads,
-        head_dim=base.dim_per_head,
-        max_position_embeddings=seq_len,
-        rms_norm_eps=base.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": base.rope_theta},
-        tie_word_embeddings=False,
-    )
     specs = (
-        ("hf_llama", LlamaConfig, LlamaForCausalLM, "baseline"),
-        ("hf_diffllama", DiffLlamaConfig, DiffLlamaForCausalLM, "diff_v1"),
+        ("hf_llama", diffattn_config_to_llama(base), LlamaForCausalLM, "baseline"),
+        (
+            "hf_diffllama",
+            diffattn_config_to_diffllama(configs["diff_v1"]),
+            DiffLlamaForCausalLM,
+            "diff_v1",
+        ),
     )
     out = []
-    for name, config_cls, model_cls, ours in specs:
+    for name, hf_config, model_cls, ours in specs:
         torch.manual_seed(0)
         impl = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
-        model = model_cls._from_config(config_cls(**sizes), attn_implementation=impl)
+        model = model_cls._from_config(hf_config, attn_implementation=impl)
         model = model.to(device=device, dtype=dtype)
         bound = throughput_bound(configs[ours], base, seq_len, "two_call")
         out.append(
