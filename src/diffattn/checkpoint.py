@@ -18,18 +18,16 @@ temporary sibling directory which is renamed into place only when complete.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from diffattn.config import ModelConfig
+from diffattn.fileio import CheckpointError, atomic_directory, read_json
 from diffattn.model import DiffTransformerLM
 
 MODEL_TYPE = "diffattn"
@@ -70,10 +68,6 @@ _HF_CONFIG_KEYS = frozenset(
 )
 
 
-class CheckpointError(ValueError):
-    """A model directory or weight file that cannot be loaded as asked; the message says why."""
-
-
 # ----------------------------------------------------------------------------------------
 # config.json
 def config_to_json_dict(config: ModelConfig) -> dict[str, Any]:
@@ -112,13 +106,7 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     file = path / CONFIG_NAME if path.is_dir() else path
     if not file.is_file():
         raise CheckpointError(f"{path}: no {CONFIG_NAME} found (not a model directory)")
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{file}: not valid JSON ({error})") from error
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file}: expected a JSON object")
-    return config_from_json_dict(data, source=str(file))
+    return config_from_json_dict(read_json(file), source=str(file))
 
 
 # ----------------------------------------------------------------------------------------
@@ -129,10 +117,8 @@ def weight_files(directory: str | os.PathLike) -> list[Path]:
     index = directory / WEIGHTS_INDEX_NAME
     if index.is_file():
         try:
-            names = sorted(
-                set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-            )
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            names = sorted(set(read_json(index)["weight_map"].values()))
+        except (KeyError, TypeError, AttributeError) as error:
             raise CheckpointError(f"{index}: not a valid safetensors index ({error})") from error
         files = [directory / name for name in names]
         missing = [str(f) for f in files if not f.is_file()]
@@ -155,6 +141,37 @@ def weight_files(directory: str | os.PathLike) -> list[Path]:
             "safe_serialization=True)`)."
         )
     raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} found")
+
+
+def check_safetensors_files(files: list[Path]) -> None:
+    """Check that each file is a complete safetensors file (its header parses and its size is
+    exactly what the header describes) without reading the tensors; a truncated or corrupt
+    file is named in a :class:`CheckpointError`. For loaders that read the files themselves
+    (e.g. ``from_pretrained``) and would report a bare parse error."""
+    for file in files:
+        try:
+            size = file.stat().st_size
+            with open(file, "rb") as handle:
+                prefix = handle.read(8)
+                header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+                if header_len < 2 or 8 + header_len > size:
+                    raise ValueError("the header is cut off")
+                header = json.loads(handle.read(header_len))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+            ends = [
+                entry["data_offsets"][1]
+                for key, entry in header.items()
+                if key != "__metadata__" and isinstance(entry, dict)
+            ]
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as error:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from error
+        expected = 8 + header_len + max(ends, default=0)
+        if size != expected:
+            raise CheckpointError(
+                f"{file}: truncated or padded safetensors file ({size} bytes, the header "
+                f"describes {expected})"
+            )
 
 
 def read_safetensors(
@@ -206,40 +223,6 @@ def model_state_for_saving(model: DiffTransformerLM) -> dict[str, torch.Tensor]:
     return {KEY_PREFIX + k: v.detach().contiguous() for k, v in model.state_dict().items()}
 
 
-# ----------------------------------------------------------------------------------------
-# atomic directories
-@contextlib.contextmanager
-def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory that becomes ``out_dir`` only if the block succeeds.
-
-    ``out_dir`` must not exist (or be empty) unless ``overwrite``; then the old directory is
-    replaced only after the new one is complete. On any error nothing at ``out_dir`` changes.
-    """
-    out = Path(out_dir)
-    if out.exists():
-        if not out.is_dir():
-            raise CheckpointError(f"{out}: exists and is not a directory")
-        if any(out.iterdir()) and not overwrite:
-            raise CheckpointError(f"{out}: directory exists and is not empty (pass overwrite)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; give the usual directory permissions
-    try:
-        yield tmp
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def save_model(
     model: DiffTransformerLM,
     out_dir: str | os.PathLike,
@@ -253,19 +236,35 @@ def save_model(
     (a ``tokenizers.Tokenizer``, written as ``tokenizer.json``), saved beside the weights.
     ``extra_files``: name -> writer(path) for additional files.
     """
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        write_model_files(model, tmp, tokenizer=tokenizer, extra_files=extra_files)
+    return Path(out_dir)
+
+
+def write_model_files(
+    model: DiffTransformerLM,
+    directory: str | os.PathLike,
+    tokenizer: Any | None = None,
+    extra_files: Mapping[str, Callable[[Path], None]] | None = None,
+) -> Path:
+    """Write the files of a model directory into the existing ``directory`` (not atomically:
+    for a directory that is itself being written atomically, e.g. a training checkpoint).
+    Arguments as in :func:`save_model`."""
     from safetensors.torch import save_file
 
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        (tmp / CONFIG_NAME).write_text(
-            json.dumps(config_to_json_dict(model.config), indent=2, sort_keys=True) + "\n",
-            encoding="utf-8",
-        )
-        save_file(model_state_for_saving(model), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        if tokenizer is not None:
-            save_tokenizer(tokenizer, tmp)
-        for name, writer in (extra_files or {}).items():
-            writer(tmp / name)
-    return Path(out_dir)
+    directory = Path(directory)
+    (directory / CONFIG_NAME).write_text(
+        json.dumps(config_to_json_dict(model.config), indent=2, sort_keys=True) + "\n",
+        encoding="utf-8",
+    )
+    save_file(
+        model_state_for_saving(model), str(directory / WEIGHTS_NAME), metadata={"format": "pt"}
+    )
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, directory)
+    for name, writer in (extra_files or {}).items():
+        writer(directory / name)
+    return directory
 
 
 def save_tokenizer(tokenizer: Any, directory: Path) -> None:

@@ -2,18 +2,18 @@
 
 The model directory is read with :func:`diffattn.checkpoint.load_model`; the tokenizer is the
 one saved beside it the Hugging Face way (``tokenizer.json``, plus ``tokenizer_config.json``
-when present), loaded with ``transformers`` when it is installed and with ``tokenizers``
-otherwise. The EOS id comes from ``generation_config.json``, else the tokenizer, else
-``config.json``. Text is printed as tokens arrive: the whole sequence is decoded after every
-token and only the new suffix is written (and flushed), holding back a trailing U+FFFD while a
-multi-byte character is still split across tokens. What ends up on stdout is therefore the
-decoded final sequence (the prompt as the tokenizer decodes it, unless ``--no-echo``).
+when present), loaded by :func:`diffattn.loading.load_tokenizer` (with ``transformers`` when
+it is installed and with ``tokenizers`` otherwise). The EOS id comes from
+``generation_config.json``, else the tokenizer, else ``config.json``. Text is printed as
+tokens arrive: the whole sequence is decoded after every token and only the new suffix is
+written (and flushed), holding back a trailing U+FFFD while a multi-byte character is still
+split across tokens. What ends up on stdout is therefore the decoded final sequence (the
+prompt as the tokenizer decodes it, unless ``--no-echo``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,8 +25,6 @@ DESCRIPTION = (
 )
 
 DTYPES = ("float32", "bfloat16")
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 
@@ -99,57 +97,27 @@ class Tokenizer:
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    """Load the tokenizer saved in ``model_dir``; a missing or broken one is a
-    :class:`~diffattn.checkpoint.CheckpointError`."""
-    from diffattn.checkpoint import CheckpointError
+    """The tokenizer saved in ``model_dir`` (:func:`diffattn.loading.load_tokenizer`); a
+    missing or broken one is a :class:`~diffattn.fileio.CheckpointError`."""
+    from diffattn.loading import load_tokenizer as load_saved_tokenizer
 
-    model_dir = Path(model_dir)
-    file = model_dir / TOKENIZER_FILE
-    if not file.is_file():
-        raise CheckpointError(
-            f"{model_dir}: no {TOKENIZER_FILE} found; save the model with its tokenizer "
-            "(diffattn.checkpoint.save_model(model, dir, tokenizer=...))"
-        )
-    try:
-        try:
-            import transformers
-        except ImportError:
-            transformers = None
-        if transformers is None:
-            from tokenizers import Tokenizer as RawTokenizer
-
-            return Tokenizer(RawTokenizer.from_file(str(file)))
-        if (model_dir / TOKENIZER_CONFIG_FILE).is_file():
-            return Tokenizer(transformers.AutoTokenizer.from_pretrained(str(model_dir)))
-        return Tokenizer(transformers.PreTrainedTokenizerFast(tokenizer_file=str(file)))
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        if isinstance(error, CheckpointError):
-            raise
-        raise CheckpointError(f"{model_dir}: cannot load the tokenizer ({error})") from error
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    from diffattn.checkpoint import CheckpointError
-
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path}: not valid JSON ({error})") from error
-    return data if isinstance(data, dict) else {}
+    return Tokenizer(load_saved_tokenizer(model_dir))
 
 
 def eos_token_ids(model_dir: str | Path, tokenizer: Tokenizer) -> int | list[int] | None:
     """EOS id(s): ``generation_config.json``, else the tokenizer, else ``config.json``."""
+    from diffattn.fileio import read_json
+
     model_dir = Path(model_dir)
     generation_config = model_dir / GENERATION_CONFIG_FILE
     if generation_config.is_file():
-        eos = _read_json(generation_config).get("eos_token_id")
+        eos = read_json(generation_config).get("eos_token_id")
         if eos is not None:
             return eos
     if tokenizer.eos_token_id is not None:
         return tokenizer.eos_token_id
     config = model_dir / "config.json"
-    return _read_json(config).get("eos_token_id") if config.is_file() else None
+    return read_json(config).get("eos_token_id") if config.is_file() else None
 
 
 # ----------------------------------------------------------------------------------------

