@@ -23,7 +23,7 @@ from diffattn.train import (
     read_env,
 )
 from diffattn.train.config import ScheduleSection
-from test_train_helpers import REPO, tiny_recipe, write_recipe
+from train_helpers import REPO, tiny_recipe, write_recipe
 
 CONFIGS = REPO / "configs"
 PAPER_SCALING = {  # DIFF V1 App. E, Table 10: size -> (d_model, layers, DIFF heads, lr)

@@ -17,7 +17,7 @@ import torch
 from diffattn.checkpoint import load_model
 from diffattn.train import TrainConfig, train
 from diffattn.train.parallel import parallelize
-from test_train_helpers import (
+from train_helpers import (
     tiny_recipe,
     torchrun,
     write_recipe,

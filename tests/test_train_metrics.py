@@ -10,7 +10,7 @@ import torch
 from diffattn import DiffTransformerLM, ModelConfig
 from diffattn.train import TrainConfig, read_metrics, train
 from diffattn.train.metrics import LambdaProbe, SpikeDetector
-from test_train_helpers import (
+from train_helpers import (
     tiny_recipe,
 )
 

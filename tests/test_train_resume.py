@@ -14,7 +14,7 @@ from diffattn.train.checkpoint import (
     list_checkpoints,
     load_trainer_state,
 )
-from test_train_helpers import (
+from train_helpers import (
     read_losses,
     tiny_recipe,
     train_cli,

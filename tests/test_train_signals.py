@@ -15,7 +15,7 @@ import torch
 from diffattn.checkpoint import load_model
 from diffattn.train import TrainConfig, TrainingDiverged, train
 from diffattn.train.checkpoint import list_checkpoints
-from test_train_helpers import (
+from train_helpers import (
     subprocess_env,
     tiny_recipe,
     train_cli,

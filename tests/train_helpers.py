@@ -1,6 +1,6 @@
 """Shared pieces of the trainer tests: a tiny recipe, a shared data cache, subprocess runs.
 
-No tests live here; the ``test_train_*`` modules import from it.
+The ``test_train_*`` modules import from it.
 """
 
 from __future__ import annotations
