@@ -8,41 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from diffattn import DiffTransformerLM, ModelConfig, dex
+from diffattn import dex
+from helpers import TINY_VOCAB as VOCAB
+from helpers import tiny_diffattn, tiny_hf
+from helpers import tiny_model as make
 
 transformers = pytest.importorskip("transformers")
-
-VOCAB = 128
-
-
-def hf_model(kind: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    common = dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        intermediate_size=128,
-    )
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[kind]
-    return model_cls(config_cls(**common)).eval()
-
-
-def diffattn_model(attention: str = "baseline", seed: int = 0) -> DiffTransformerLM:
-    torch.manual_seed(seed)
-    config = ModelConfig(
-        vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention
-    )
-    return DiffTransformerLM(config).eval()
-
-
-def make(kind: str, seed: int = 0) -> nn.Module:
-    return diffattn_model(seed=seed) if kind == "diffattn" else hf_model(kind, seed)
 
 
 KINDS = ("llama", "qwen2", "mistral", "diffattn")
@@ -101,7 +72,7 @@ def test_map_matches_per_head_definition(kind):
 
 
 def test_all_heads_and_layers_from_selection():
-    model = hf_model("llama")
+    model = tiny_hf("llama")
     dex.apply(model, "all", anneal_steps=3)
     sel = dex.selected_heads(model)
     assert sel.heads == {0: (0, 1, 2, 3), 1: (0, 1, 2, 3)}
@@ -112,17 +83,17 @@ def test_all_heads_and_layers_from_selection():
 
 
 def test_lambda_init_exp_and_constant():
-    model = hf_model("llama")
+    model = tiny_hf("llama")
     dex.apply(model, "all", anneal_steps=3)
     inits = [float(layer.lambda_init) for layer in dex.dex_layers(model).values()]
     assert inits == pytest.approx([0.2, 0.8 - 0.6 * torch.exp(torch.tensor(-0.3)).item()])
-    model = hf_model("llama")
+    model = tiny_hf("llama")
     dex.apply(model, "all", anneal_steps=3, lambda_init=0.5)
     assert [float(x.lambda_init) for x in dex.dex_layers(model).values()] == [0.5, 0.5]
 
 
 def test_errors_are_clear():
-    model = hf_model("llama")
+    model = tiny_hf("llama")
     with pytest.raises(ValueError, match="layer 2 does not exist: the model has 2 attention"):
         dex.apply(model, {2: [0]}, anneal_steps=1)
     with pytest.raises(ValueError, match="layer 0: head 4 is out of range; the layer has 4"):
@@ -149,20 +120,20 @@ def test_unsupported_models():
     with pytest.raises(ValueError, match=r"no supported attention modules.*LlamaForCausalLM"):
         dex.apply(nn.Sequential(nn.Linear(4, 4)), "all", anneal_steps=1)
     with pytest.raises(ValueError, match="already differential attention"):
-        dex.apply(diffattn_model("diff_v1"), "all", anneal_steps=1)
+        dex.apply(tiny_diffattn("diff_v1"), "all", anneal_steps=1)
 
     class Conv1x1(nn.Module):  # an o_proj that is not an nn.Linear
         def forward(self, x):
             return x
 
-    model = hf_model("llama")
+    model = tiny_hf("llama")
     model.model.layers[0].self_attn.o_proj = Conv1x1()
     with pytest.raises(ValueError, match=r"o_proj is a Conv1x1, not an nn.Linear"):
         dex.apply(model, "all", anneal_steps=1)
 
 
 def test_state_dict_holds_the_schedule_and_deepcopy_keeps_hooks():
-    model = hf_model("llama")
+    model = tiny_hf("llama")
     dex.apply(model, {0: [0, 1]}, anneal_steps=8)
     dex.step(model)
     dex.step(model, 2)
@@ -176,7 +147,7 @@ def test_state_dict_holds_the_schedule_and_deepcopy_keeps_hooks():
     dex.set_step(model, 0)  # the copy has its own schedule and hooks
     assert dex.get_step(twin) == 3
     randomise(twin, t=10)
-    fresh = hf_model("llama")
+    fresh = tiny_hf("llama")
     dex.apply(fresh, {0: [0, 1]}, anneal_steps=8)
     fresh.load_state_dict(twin.state_dict())
     assert dex.get_step(fresh) == 10
@@ -187,7 +158,7 @@ def test_identity_init_gives_lambda_a_gradient_zero_init_does_not():
     """The W_D initialisation choice: with W_D = 0, ∂L/∂λ_learn = 0 at the start."""
     grads = {}
     for init in ("identity", "zeros", 0.5):
-        model = hf_model("llama")
+        model = tiny_hf("llama")
         dex.apply(model, "all", anneal_steps=4, w_d_init=init)
         dex.set_step(model, 2)
         model(IDS, labels=IDS).loss.backward()
@@ -229,7 +200,7 @@ def test_freeze_and_train_only_the_dex_set(kind):
 
 
 def test_attention_all_trains_every_layer():
-    model = hf_model("llama")
+    model = tiny_hf("llama")
     dex.apply(model, {1: [0]}, anneal_steps=3)
     adapted = {n for n, _ in dex.named_trainable_parameters(model)}
     assert not any("layers.0." in n for n in adapted)
@@ -237,6 +208,6 @@ def test_attention_all_trains_every_layer():
     every = {n for n, p in model.named_parameters() if p.requires_grad}
     assert "model.layers.0.self_attn.k_proj.weight" in every
     assert "model.layers.0.self_attn.q_proj.weight" not in every
-    model = hf_model("llama")
+    model = tiny_hf("llama")
     dex.apply(model, "all", anneal_steps=3, freeze=False)
     assert all(p.requires_grad for p in model.parameters())

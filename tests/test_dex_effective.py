@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffattn import DiffTransformerLM, ModelConfig, dex
+from diffattn import dex
+from helpers import tiny_diffattn
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,9 +113,7 @@ def test_gradient_descent_converges_to_the_solution_nearest_to_a():
 
 
 def test_without_dex_effective_attention_is_the_softmax_map():
-    torch.manual_seed(0)
-    config = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
-    model = DiffTransformerLM(config).eval()
+    model = tiny_diffattn()
     t = dex.head_tensors(model, ids(8), 1, 0)
     torch.testing.assert_close(t.attn @ t.values, t.output, atol=1e-5, rtol=1e-4)
     x = dex.effective_attention(model, ids(8), 1, 0, method="nearest")

@@ -8,26 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diffattn import DiffTransformerLM, ModelConfig, dex
+from diffattn import dex
 from diffattn.dex.io import CONFIG_NAME, WEIGHTS_NAME
+from helpers import TINY_VOCAB as VOCAB
+from helpers import tiny_diffattn, tiny_hf
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 128
 IDS = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
-
-
-def tiny_llama(seed: int = 0, heads: int = 4):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        intermediate_size=128,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def logits(model) -> torch.Tensor:
@@ -47,7 +35,7 @@ def train_a_little(model, steps: int = 3) -> None:
 
 
 def test_roundtrip_after_training_is_exact(tmp_path):
-    model = tiny_llama()
+    model = tiny_hf("llama")
     dex.apply(model, {0: [1, 3], 1: [0]}, anneal_steps=2, lambda_init=0.5)
     train_a_little(model)
     expected = logits(model)
@@ -61,7 +49,7 @@ def test_roundtrip_after_training_is_exact(tmp_path):
     assert "model.model.layers.0.self_attn.k_proj.weight" in tensors
     assert not any("q_proj" in k or "mlp" in k for k in tensors)  # only the trained set
 
-    fresh = dex.load_adapter(tiny_llama(), tmp_path / "adapter")
+    fresh = dex.load_adapter(tiny_hf("llama"), tmp_path / "adapter")
     assert dex.get_step(fresh) == 3
     assert torch.equal(logits(fresh), expected)
     trainable = {n for n, p in fresh.named_parameters() if p.requires_grad}
@@ -69,38 +57,33 @@ def test_roundtrip_after_training_is_exact(tmp_path):
     assert dex.lambdas(fresh) == dex.lambdas(model)
     # negative control: W_D and λ alone do not reproduce a model whose K, V, O trained
     dex.save_adapter(model, tmp_path / "small", include_trained_weights=False)
-    partial = dex.load_adapter(tiny_llama(), tmp_path / "small")
+    partial = dex.load_adapter(tiny_hf("llama"), tmp_path / "small")
     assert (logits(partial) - expected).abs().max() > 1e-4
 
 
 def test_diffattn_roundtrip(tmp_path):
-    def build():
-        torch.manual_seed(0)
-        config = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
-        return DiffTransformerLM(config).eval()
-
-    model = build()
+    model = tiny_diffattn()
     dex.apply(model, "all", anneal_steps=0)
     train_a_little(model, 2)
     dex.save_adapter(model, tmp_path)
-    assert torch.equal(logits(dex.load_adapter(build(), tmp_path)), logits(model))
+    assert torch.equal(logits(dex.load_adapter(tiny_diffattn(), tmp_path)), logits(model))
 
 
 def test_mismatches_are_clear(tmp_path):
-    model = tiny_llama()
+    model = tiny_hf("llama")
     dex.apply(model, {0: [0]}, anneal_steps=2)
     dex.save_adapter(model, tmp_path / "adapter")
     with pytest.raises(ValueError, match=r"heads per layer = \[4, 4\], the model has \[8, 8\]"):
-        dex.load_adapter(tiny_llama(heads=8), tmp_path / "adapter")
+        dex.load_adapter(tiny_hf("llama", num_attention_heads=8), tmp_path / "adapter")
     with pytest.raises(ValueError, match="already has Dex applied"):
         dex.load_adapter(model, tmp_path / "adapter")
     with pytest.raises(ValueError, match="not a Dex adapter directory"):
-        dex.load_adapter(tiny_llama(), tmp_path)
+        dex.load_adapter(tiny_hf("llama"), tmp_path)
     config_path = tmp_path / "adapter" / CONFIG_NAME
     config = json.loads(config_path.read_text())
     config["trained_weights"].append("model.layers.0.self_attn.extra.weight")
     config_path.write_text(json.dumps(config))
-    fresh = tiny_llama()
+    fresh = tiny_hf("llama")
     with pytest.raises(ValueError, match="which this model does not have"):
         dex.load_adapter(fresh, tmp_path / "adapter")
     assert not dex.is_dex(fresh)

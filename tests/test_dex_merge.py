@@ -11,35 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-from diffattn import DiffTransformerLM, ModelConfig, dex
+from diffattn import dex
 from diffattn.dex.merge import fold_into_o_proj
+from helpers import TINY_VOCAB as VOCAB
+from helpers import tiny_model as make
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 128
 IDS = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
 TOL = 1e-4
-
-
-def make(kind: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    if kind == "diffattn":
-        config = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
-        return DiffTransformerLM(config).eval()
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[kind]
-    config = config_cls(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        intermediate_size=128,
-    )
-    return model_cls(config).eval()
 
 
 def trained_dex(kind: str, t: int = 30) -> nn.Module:

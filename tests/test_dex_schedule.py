@@ -8,21 +8,9 @@ import pytest
 import torch
 
 from diffattn import dex, lambda_init_schedule
+from helpers import tiny_hf
 
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_llama(seed: int = 0):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        intermediate_size=128,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def eq4(t: int, big_t: int, lam_init: float, lam_learn: float) -> float:
@@ -52,7 +40,7 @@ def test_shape_of_the_schedule():
 
 
 def test_model_lambda_follows_eq4_and_is_differentiable():
-    model = tiny_llama()
+    model = tiny_hf("llama")
     dex.apply(model, {0: [0], 1: [1, 2]}, anneal_steps=10)
     with torch.no_grad():
         for layer in dex.dex_layers(model).values():
@@ -68,7 +56,7 @@ def test_model_lambda_follows_eq4_and_is_differentiable():
 
 
 def test_step_controls():
-    model = tiny_llama()
+    model = tiny_hf("llama")
     with pytest.raises(ValueError, match="no Dex layers"):
         dex.step(model)
     dex.apply(model, "all", anneal_steps=5)
@@ -87,7 +75,7 @@ def test_step_controls():
 def test_diffattn_trainer_callback():
     from diffattn.train import StepState
 
-    model = tiny_llama()
+    model = tiny_hf("llama")
     dex.apply(model, "all", anneal_steps=4)
     callback = dex.trainer_callback(model)
     for step in (1, 2, 3):
@@ -117,7 +105,7 @@ def test_hf_trainer_callback_in_a_real_trainer(tmp_path):
             ids = torch.arange(12) * (i + 1) % 128
             return {"input_ids": ids, "labels": ids}
 
-    model = tiny_llama()
+    model = tiny_hf("llama")
     model.train()
     dex.apply(model, "all", anneal_steps=3)
     args = transformers.TrainingArguments(

@@ -230,7 +230,7 @@ def check_parity(cfg: diffattn.ModelConfig, n: int, padding: str, seed: int = 0)
 # --- the grid --------------------------------------------------------------------------------
 
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
-BACKENDS = ("reference", "sdpa", "flash")
+BACKENDS = ("reference", "sdpa", pytest.param("flash", marks=pytest.mark.gpu))
 CASES = [(1, "none")] + [(n, p) for n in (7, 64, 129) for p in ("none", "left", "right")]
 
 

@@ -1,0 +1,61 @@
+"""Tiny models shared by the tests: diffattn models of every attention type and small Hugging
+Face Llama-family models, all with 128 tokens, width 64, 2 layers, 4 query and 2 key/value
+heads, built from a fixed seed in eval mode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from diffattn import DiffTransformerLM, ModelConfig
+
+ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
+HF_KINDS = ("llama", "qwen2", "mistral")
+TINY_VOCAB = 128
+TINY_FIELDS = dict(vocab_size=TINY_VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
+"""The shape of every tiny model (``ModelConfig`` fields)."""
+
+
+def tiny_config(attention: str = "baseline", **overrides: Any) -> ModelConfig:
+    """The :class:`ModelConfig` of a tiny diffattn model (``overrides`` replace fields)."""
+    return ModelConfig(**{**TINY_FIELDS, "attention": attention, **overrides})
+
+
+def tiny_diffattn(
+    attention: str = "baseline", seed: int = 0, **overrides: Any
+) -> DiffTransformerLM:
+    """A tiny diffattn model in eval mode, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return DiffTransformerLM(tiny_config(attention, **overrides)).eval()
+
+
+def tiny_hf(kind: str = "llama", seed: int = 0, **overrides: Any) -> nn.Module:
+    """A tiny Hugging Face ``LlamaForCausalLM`` (or ``qwen2`` / ``mistral``) in eval mode;
+    ``overrides`` replace config fields (e.g. ``num_attention_heads=8``)."""
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[kind]
+    fields = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=TINY_VOCAB,
+        intermediate_size=128,
+    )
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**{**fields, **overrides})).eval()
+
+
+def tiny_model(kind: str, seed: int = 0) -> nn.Module:
+    """A tiny model by name: an HF kind (:data:`HF_KINDS`), an attention type, or
+    ``"diffattn"`` for the diffattn baseline."""
+    if kind in HF_KINDS:
+        return tiny_hf(kind, seed)
+    return tiny_diffattn("baseline" if kind == "diffattn" else kind, seed)
