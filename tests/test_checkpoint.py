@@ -143,3 +143,66 @@ def test_failed_overwrite_keeps_the_old_directory(tmp_path):
         raise RuntimeError("interrupted")
     assert (tmp_path / "m" / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_integer_tensor_for_a_float_parameter_is_refused(tmp_path):
+    save_model(tiny(), tmp_path / "m")
+
+    def mutate(state):
+        state["model.norm.weight"] = torch.ones(32, dtype=torch.int32)
+
+    write_weights(tmp_path / "m", mutate)
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight \(expected torch\.float32, "):
+        load_model(tmp_path / "m")
+    with pytest.raises(CheckpointError, match=r"found torch\.int32\)"):
+        load_model(tmp_path / "m")
+
+
+def test_bfloat16_weights_still_load_into_a_float32_model(tmp_path):
+    save_model(tiny().to(torch.bfloat16), tmp_path / "m")
+    assert load_model(tmp_path / "m").norm.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_name_the_first_bad_tensor(tmp_path, value):
+    save_model(tiny(), tmp_path / "m")
+
+    def mutate(state):
+        state["model.layers.1.attn.o_proj.weight"][0, 0] = value
+        state["model.norm.weight"][3] = value
+
+    write_weights(tmp_path / "m", mutate)
+    with pytest.raises(
+        CheckpointError, match=r"tensor model\.layers\.1\.attn\.o_proj\.weight holds"
+    ):
+        load_model(tmp_path / "m")
+
+
+@pytest.mark.parametrize(
+    "shard", ["../outside.safetensors", "/tmp/outside.safetensors", "a/../../x"]
+)
+def test_index_entries_outside_the_directory_are_refused(tmp_path, shard):
+    save_model(tiny(), tmp_path / "m")
+    (tmp_path / "outside.safetensors").write_bytes(
+        (tmp_path / "m" / "model.safetensors").read_bytes()
+    )
+    (tmp_path / "m" / "model.safetensors").rename(tmp_path / "m" / "part-1.safetensors")
+    index = {
+        "weight_map": {
+            "model.norm.weight": shard,
+            "model.embed_tokens.weight": "part-1.safetensors",
+        }
+    }
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="points outside the model directory"):
+        load_model(tmp_path / "m")
+
+
+def test_a_symlinked_shard_leading_outside_is_refused(tmp_path):
+    save_model(tiny(), tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")
+    (tmp_path / "m" / "link.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    index = {"weight_map": {"model.norm.weight": "link.safetensors"}}
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="points outside the model directory"):
+        load_model(tmp_path / "m")

@@ -116,3 +116,14 @@ def test_loading_does_not_import_transformers():
 
     code = "import sys, diffattn.loading; sys.exit('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_truncated_hf_weights_name_the_file(tmp_path, tiny_llama):
+    tiny_llama.save_pretrained(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated or padded"):
+        load_model_and_tokenizer(tmp_path / "hf")
+    weights.write_bytes(b"\x10\x00")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors"):
+        load_model_and_tokenizer(tmp_path / "hf")

@@ -11,9 +11,10 @@ A diffattn model directory is exactly what ``DiffAttnForCausalLM.save_pretrained
   (the HF wrapper holds the LM as ``self.model``); a tied LM head is not stored.
 
 Loading is strict and safe: weights come only from safetensors (a pickle ``.bin`` is refused),
-missing / unexpected / mis-shaped tensors are named in one error, and a foreign ``model_type``
-is rejected with a pointer to ``diffattn convert``. Saving is atomic: files are written to a
-temporary sibling directory which is renamed into place only when complete.
+shard names of an index must stay inside the directory, missing / unexpected / mis-shaped
+tensors and tensors of the wrong dtype kind are named in one error, so is the first tensor
+holding NaN or infinite values, and a foreign ``model_type`` is rejected with a pointer to
+``diffattn convert``. Saving is atomic (:func:`diffattn.fileio.atomic_directory`).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def weight_files(directory: str | os.PathLike) -> list[Path]:
             names = sorted(set(read_json(index)["weight_map"].values()))
         except (KeyError, TypeError, AttributeError) as error:
             raise CheckpointError(f"{index}: not a valid safetensors index ({error})") from error
-        files = [directory / name for name in names]
+        files = [_shard_path(directory, name, index) for name in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index}: shard file(s) missing: {', '.join(missing)}")
@@ -141,6 +142,29 @@ def weight_files(directory: str | os.PathLike) -> list[Path]:
             "safe_serialization=True)`)."
         )
     raise CheckpointError(f"{directory}: no {WEIGHTS_NAME} found")
+
+
+def _shard_path(directory: Path, name: Any, index: Path) -> Path:
+    """The shard ``name`` of ``index``, refusing names that reach outside ``directory``."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{index}: shard name {name!r} is not a file name")
+    relative = Path(name)
+    inside = directory.resolve()
+    if relative.is_absolute() or ".." in relative.parts or "\\" in name:
+        raise CheckpointError(f"{index}: shard {name!r} points outside the model directory")
+    if not (directory / relative).resolve().is_relative_to(inside):
+        raise CheckpointError(f"{index}: shard {name!r} points outside the model directory")
+    return directory / relative
+
+
+def check_finite(state: Mapping[str, torch.Tensor], source: str) -> None:
+    """Raise a :class:`CheckpointError` naming the first floating tensor (in name order) that
+    holds a NaN or an infinity; for any loader that wants to refuse broken weights."""
+    for name in sorted(state):
+        tensor = state[name]
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = "NaN" if bool(torch.isnan(tensor).any()) else "infinite"
+            raise CheckpointError(f"{source}: tensor {name} holds {bad} values")
 
 
 def check_safetensors_files(files: list[Path]) -> None:
@@ -199,13 +223,19 @@ def read_safetensors(
 def check_state_dict(
     expected: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor], source: str
 ) -> None:
-    """Raise one :class:`CheckpointError` naming missing, unexpected and mis-shaped tensors."""
+    """Raise one :class:`CheckpointError` naming missing, unexpected and mis-shaped tensors,
+    and tensors whose dtype is of another kind (an integer tensor for a float parameter)."""
     missing = sorted(expected.keys() - found.keys())
     unexpected = sorted(found.keys() - expected.keys())
     misshaped = [
         f"{k} (expected {tuple(expected[k].shape)}, found {tuple(found[k].shape)})"
         for k in sorted(expected.keys() & found.keys())
         if tuple(expected[k].shape) != tuple(found[k].shape)
+    ]
+    miskinded = [
+        f"{k} (expected {expected[k].dtype}, found {found[k].dtype})"
+        for k in sorted(expected.keys() & found.keys())
+        if _dtype_kind(expected[k].dtype) != _dtype_kind(found[k].dtype)
     ]
     problems = []
     if missing:
@@ -214,8 +244,20 @@ def check_state_dict(
         problems.append(f"unexpected tensor(s): {', '.join(unexpected)}")
     if misshaped:
         problems.append(f"mis-shaped tensor(s): {', '.join(misshaped)}")
+    if miskinded:
+        problems.append(f"wrong-dtype tensor(s): {', '.join(miskinded)}")
     if problems:
         raise CheckpointError(f"{source}: weights do not match the config; " + "; ".join(problems))
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    """``float``, ``complex``, ``bool`` or ``int``: a stored tensor may differ from its
+    parameter in precision (e.g. bfloat16 weights for a float32 model) but not in kind."""
+    if dtype.is_floating_point:
+        return "float"
+    if dtype.is_complex:
+        return "complex"
+    return "bool" if dtype == torch.bool else "int"
 
 
 def model_state_for_saving(model: DiffTransformerLM) -> dict[str, torch.Tensor]:
@@ -299,6 +341,7 @@ def load_model(
         model = DiffTransformerLM(config)
     expected = {KEY_PREFIX + k: v for k, v in model.state_dict().items()}
     check_state_dict(expected, state, str(directory))
+    check_finite(state, str(directory))
     model.to_empty(device=device)
     model.rotary.reset_parameters()  # the only buffer (RoPE); parameters are loaded below
     model.load_state_dict({k[len(KEY_PREFIX) :]: v for k, v in state.items()}, strict=True)
