@@ -27,7 +27,10 @@ Backend = Literal["reference", "sdpa", "flash", "auto"]
 RopeStyle = Literal["half", "interleaved"]
 
 ATTENTION_TYPES: tuple[str, ...] = get_args(AttentionType)
+RUNTIME_FIELDS = frozenset({"backend"})
+"""Fields that choose how the model runs, not what it computes; never saved as architecture."""
 BACKENDS: tuple[str, ...] = get_args(Backend)
+"""The built-in backends; more can be registered (:mod:`diffattn.attention.registry`)."""
 ROPE_STYLES: tuple[str, ...] = get_args(RopeStyle)
 
 
@@ -72,7 +75,11 @@ class ModelConfig:
 
     # --- attention -------------------------------------------------------------------------
     attention: AttentionType = "baseline"
-    backend: Backend = "auto"
+    backend: str = field(default="auto", compare=False)
+    """The attention backend the model starts with (``reference``, ``sdpa``, ``flash``, ``auto``
+    or any registered one). A run-time choice, not architecture: it is not written to
+    ``config.json``, does not take part in equality, and can be changed on a built model with
+    ``DiffTransformerLM.set_backend`` or Hugging Face's ``attn_implementation``."""
 
     # --- positions, norms, embeddings ------------------------------------------------------
     rope_theta: float = 10000.0
@@ -137,10 +144,14 @@ class ModelConfig:
                 f"unknown attention type {self.attention!r}; "
                 f"choose one of {', '.join(ATTENTION_TYPES)}",
             )
-        if self.backend not in BACKENDS:
-            self._fail(
-                "backend", f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}"
-            )
+        if not isinstance(self.backend, str):
+            self._fail("backend", f"must be a backend name, got {self.backend!r}")
+        from diffattn.attention.registry import check_backend_name  # attention imports us
+
+        try:
+            check_backend_name(self.backend)
+        except ValueError as error:
+            self._fail("backend", str(error))
         if self.rope_style not in ROPE_STYLES:
             self._fail(
                 "rope_style",
@@ -236,8 +247,14 @@ class ModelConfig:
         return float(self.lambda_init)
 
     # --- (de)serialisation -------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    def to_dict(self, include_runtime: bool = False) -> dict[str, Any]:
+        """The fields as a plain dict: the architecture (what ``config.json`` stores), plus the
+        run-time choices of :data:`RUNTIME_FIELDS` with ``include_runtime``."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if include_runtime or f.name not in RUNTIME_FIELDS
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
@@ -253,4 +270,4 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A validated copy with ``changes`` applied (unknown keys raise ``ValueError``)."""
-        return ModelConfig.from_dict({**self.to_dict(), **changes})
+        return ModelConfig.from_dict({**self.to_dict(include_runtime=True), **changes})

@@ -21,6 +21,7 @@ from torch import nn
 
 from diffattn.attention import AttentionMaps, AttentionMask, build_attention
 from diffattn.attention.diff_v1 import DiffAttentionV1
+from diffattn.attention.registry import check_backend_name
 from diffattn.cache import DynamicCache, StaticCache
 from diffattn.config import ModelConfig
 from diffattn.layers import RMSNorm, RotaryEmbedding, SwiGLU
@@ -119,6 +120,22 @@ class DiffTransformerLM(nn.Module):
             module.reset_parameters()
         elif isinstance(module, DiffAttentionV1):
             module.reset_lambda(generator)
+
+    # ------------------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """The attention backend the model runs on now."""
+        return self.config.backend
+
+    def set_backend(self, name: str) -> DiffTransformerLM:
+        """Run attention on backend ``name`` from now on (``reference``, ``sdpa``, ``flash``,
+        ``auto`` or a registered one); returns the model. Weights are untouched and nothing is
+        saved: the backend is a run-time choice, not part of ``config.json``."""
+        check_backend_name(name)
+        for block in self.layers:
+            block.attn.backend = name
+        self.config = self.config.replace(backend=name)
+        return self
 
     @property
     def output_weight(self) -> torch.Tensor:

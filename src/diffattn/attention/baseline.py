@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffattn.attention.common import AttentionMaps, merge_heads, split_heads
+from diffattn.attention.common import AttentionMaps, merge_heads, split_heads, with_maps
 from diffattn.attention.kernels import AttentionMask, softmax_attention
 from diffattn.config import ModelConfig
 from diffattn.layers import apply_rotary
@@ -21,6 +21,7 @@ class BaselineAttention(nn.Module):
         d, h, h_kv = config.dim_per_head, config.n_heads, config.num_kv_heads
         self.head_dim, self.n_heads, self.n_kv_heads = d, h, h_kv
         self.scale = d**-0.5
+        self.backend = config.backend  # a run-time choice: DiffTransformerLM.set_backend
         self.q_proj = nn.Linear(config.d_model, h * d, bias=False)
         self.k_proj = nn.Linear(config.d_model, h_kv * d, bias=False)
         self.v_proj = nn.Linear(config.d_model, h_kv * d, bias=False)
@@ -40,6 +41,16 @@ class BaselineAttention(nn.Module):
         v = split_heads(self.v_proj(x), self.n_kv_heads)
         if cache is not None:
             k, v = cache.update(self.layer_index, k, v)
-        out, probs = softmax_attention(q, k, v, mask, self.scale, self.config.backend, need_weights)
-        maps = AttentionMaps(diff=probs) if need_weights else None
+        (out, _), maps = with_maps(
+            self.layer_index,
+            need_weights,
+            softmax_attention,
+            q,
+            k,
+            v,
+            mask,
+            self.scale,
+            self.backend,
+            layer=self.layer_index,
+        )
         return self.o_proj(merge_heads(out)), maps

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from diffattn.attention.observe import MapRecorder, observing
+
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     """``(B, N, n_heads·w)`` → ``(B, n_heads, N, w)``."""
@@ -35,3 +37,26 @@ class AttentionMaps:
     a1: torch.Tensor | None = None
     a2: torch.Tensor | None = None
     lam: torch.Tensor | None = None
+
+
+def with_maps(layer: int, need_weights: bool, attend, /, *args, **kwargs):
+    """``attend(*args, **kwargs)`` and, with ``need_weights``, the layer's maps.
+
+    Returns ``(output, AttentionMaps or None)``. The maps come from the observed reference
+    computation of :mod:`diffattn.attention.observe` (one block of rows) and keep their
+    autograd graph. Without ``need_weights`` this is a plain call (nothing for
+    ``torch.compile`` to trace through).
+    """
+    if not need_weights:
+        return attend(*args, **kwargs), None
+    recorder = MapRecorder({layer})
+    with observing(recorder):
+        out = attend(*args, **kwargs)
+    events = recorder.take(layer)
+    applied = torch.cat([e.applied for e in events], dim=2)
+    if "a" in events[0].probs:
+        return out, AttentionMaps(diff=applied)
+    a1 = torch.cat([e.probs["a1"] for e in events], dim=2)
+    a2 = torch.cat([e.probs["a2"] for e in events], dim=2)
+    lam = events[0].lam if events[0].lam.dim() == 0 else torch.cat([e.lam for e in events], 2)
+    return out, AttentionMaps(diff=applied, a1=a1, a2=a2, lam=lam.detach())

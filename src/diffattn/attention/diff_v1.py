@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffattn.attention.common import AttentionMaps, merge_heads, split_heads
+from diffattn.attention.common import AttentionMaps, merge_heads, split_heads, with_maps
 from diffattn.attention.kernels import AttentionMask, differential_attention
 from diffattn.config import ModelConfig
 from diffattn.layers import RMSNorm, apply_rotary
@@ -34,6 +34,7 @@ class DiffAttentionV1(nn.Module):
         self.n_heads = config.n_heads // 2  # differential heads H
         self.n_kv_heads = config.num_kv_heads // 2  # KV groups H_kv
         self.scale = d**-0.5
+        self.backend = config.backend  # a run-time choice: DiffTransformerLM.set_backend
         self.lambda_init = config.lambda_init_for_layer(layer_index)
         self.q_proj = nn.Linear(config.d_model, config.n_heads * d, bias=False)
         self.k_proj = nn.Linear(config.d_model, config.num_kv_heads * d, bias=False)
@@ -80,13 +81,21 @@ class DiffAttentionV1(nn.Module):
         q1, q2 = q[:, 0::2], q[:, 1::2]
         k1, k2 = k[:, 0::2], k[:, 1::2]
         lam = self.lambda_full()
-        out, maps = differential_attention(
-            q1, q2, k1, k2, v, lam, mask, self.scale, self.config.backend, need_weights
+        (out, _), maps = with_maps(
+            self.layer_index,
+            need_weights,
+            differential_attention,
+            q1,
+            q2,
+            k1,
+            k2,
+            v,
+            lam,
+            mask,
+            self.scale,
+            self.backend,
+            layer=self.layer_index,
         )
         if self.head_norm is not None:
             out = self.head_norm(out) * (1.0 - self.lambda_init)
-        result = None
-        if need_weights:
-            a1, a2 = maps
-            result = AttentionMaps(diff=a1 - lam * a2, a1=a1, a2=a2, lam=lam.detach())
-        return self.o_proj(merge_heads(out)), result
+        return self.o_proj(merge_heads(out)), maps

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffattn.attention.common import AttentionMaps, merge_heads, split_heads
-from diffattn.attention.kernels import AttentionMask, softmax_attention
+from diffattn.attention.common import AttentionMaps, merge_heads, split_heads, with_maps
+from diffattn.attention.kernels import AttentionMask, differential_attention_v2
 from diffattn.config import ModelConfig
 from diffattn.layers import apply_rotary
 
@@ -34,6 +34,7 @@ class DiffAttentionV2(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.num_kv_heads
         self.scale = d**-0.5
+        self.backend = config.backend  # a run-time choice: DiffTransformerLM.set_backend
         self.q_proj = nn.Linear(config.d_model, 2 * self.n_heads * d, bias=False)
         self.k_proj = nn.Linear(config.d_model, self.n_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(config.d_model, self.n_kv_heads * d, bias=False)
@@ -49,11 +50,6 @@ class DiffAttentionV2(nn.Module):
         lam = self.lambda_proj(x).transpose(1, 2).unsqueeze(-1)
         return torch.sigmoid(lam) if self.config.v2_lambda_sigmoid else lam
 
-    def _pair(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.config.v2_paired_heads:
-            return t[:, 0::2], t[:, 1::2]
-        return t[:, : self.n_heads], t[:, self.n_heads :]
-
     def forward(
         self,
         x: torch.Tensor,
@@ -68,15 +64,19 @@ class DiffAttentionV2(nn.Module):
         v = split_heads(self.v_proj(x), self.n_kv_heads)
         if cache is not None:
             k, v = cache.update(self.layer_index, k, v)
-        attn, probs = softmax_attention(
-            q, k, v, mask, self.scale, self.config.backend, need_weights
-        )
-        o1, o2 = self._pair(attn)
         lam = self.token_lambda(x)
-        out = o1 - o2 if lam is None else o1 - lam.to(o2.dtype) * o2
-        maps = None
-        if need_weights:
-            a1, a2 = self._pair(probs)
-            lam_maps = torch.ones_like(a1[..., :1]) if lam is None else lam.float()
-            maps = AttentionMaps(diff=a1 - lam_maps * a2, a1=a1, a2=a2, lam=lam_maps.detach())
+        out, maps = with_maps(
+            self.layer_index,
+            need_weights,
+            differential_attention_v2,
+            q,
+            k,
+            v,
+            lam,
+            mask,
+            self.scale,
+            self.backend,
+            paired=self.config.v2_paired_heads,
+            layer=self.layer_index,
+        )
         return self.o_proj(merge_heads(out)), maps

@@ -1,0 +1,99 @@
+"""``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with native GQA.
+
+It never builds an N×N tensor in Python for the common cases: no padding uses ``is_causal``;
+contiguous padding (left or right) is turned into right padding by a per-row roll, which is
+exact for real tokens. Only a mask with holes, chunked prefill (N > 1 queries against a longer
+cache) or fixed-shape decoding falls back to an explicit boolean mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from diffattn.attention.mask import AttentionMask
+from diffattn.attention.registry import Backend, register_backend
+
+
+def padding_kind(key_padding: torch.Tensor) -> str:
+    """``none``, ``right``, ``left`` or ``holes`` for a ``(B, S)`` bool padding mask."""
+    kp = key_padding.to(torch.int8)
+    if bool(kp.all()):
+        return "none"
+    steps = kp[:, 1:] - kp[:, :-1]
+    if bool((steps <= 0).all()):
+        return "right"
+    if bool((steps >= 0).all()):
+        return "left"
+    return "holes"
+
+
+def roll_rows(x: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """Roll each batch row of ``x`` ``(B, H, N, d)`` left by ``shifts[b]`` along N."""
+    n = x.shape[2]
+    index = (torch.arange(n, device=x.device)[None, :] + shifts[:, None]) % n
+    index = index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+    return torch.gather(x, 2, index)
+
+
+def match_head_widths(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero-pad q and k to V's width (or V to q's) so fused kernels accept the call.
+
+    Exact: zero channels add nothing to QKᵀ, and the caller passes the scale explicitly.
+    DIFF V1's value width is 2d; fused CPU SDPA and flash-attn need equal widths, and without
+    this PyTorch falls back to its math kernel, which materialises the N×N map. The price is
+    QKᵀ at width 2d (the FLOPs of App. A's split-V two-call form) with a single softmax.
+    """
+    dq, dv = q.shape[-1], v.shape[-1]
+    if dv > dq:
+        return F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq)), v
+    if dq > dv:
+        return q, k, F.pad(v, (0, dq - dv))
+    return q, k, v
+
+
+def _sdpa(q, k, v, scale, *, is_causal=False, attn_mask=None):
+    dv = v.shape[-1]
+    q, k, v = match_head_widths(q, k, v)
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+    )
+    return out[..., :dv]
+
+
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, scale: float
+) -> torch.Tensor:
+    """Softmax attention through PyTorch SDPA (see the module docstring for masking)."""
+    n, s = q.shape[2], k.shape[2]
+    if isinstance(mask.query_offset, torch.Tensor):
+        # Fixed-shape decoding (a compiled static-cache step): one dense mask, no host reads.
+        return _sdpa(q, k, v, scale, attn_mask=mask.dense(n, s, q.device))
+    kind = "none" if mask.key_padding is None else padding_kind(mask.key_padding)
+    full_square = n == s and mask.query_offset == 0
+    if kind in ("none", "right") and full_square:
+        # Right padding: real tokens come first, so causal attention never reads a pad.
+        return _sdpa(q, k, v, scale, is_causal=True)
+    if kind == "none" and n == 1 and mask.query_offset == s - 1:
+        return _sdpa(q, k, v, scale)  # one decode step reads every cached key
+    if kind == "left" and full_square:
+        # Roll each row so its real tokens come first, attend causally, roll back.
+        n_pad = (~mask.key_padding.bool()).sum(dim=1)
+        out = _sdpa(
+            roll_rows(q, n_pad), roll_rows(k, n_pad), roll_rows(v, n_pad), scale, is_causal=True
+        )
+        return roll_rows(out, (n - n_pad) % n)
+    return _sdpa(q, k, v, scale, attn_mask=mask.dense(n, s, q.device))
+
+
+register_backend(
+    Backend.from_softmax(
+        "sdpa",
+        sdpa_attention,
+        hf_name="sdpa",
+        description="PyTorch scaled_dot_product_attention (fused CPU/CUDA kernels, GQA)",
+    )
+)

@@ -1,0 +1,51 @@
+"""Which keys each query may read: the one masking rule every attention backend follows.
+
+Query ``i`` (at absolute position ``i + offset`` in the key sequence) may read key ``j`` iff
+``j <= i + offset`` and (key ``j`` is a real token or ``j == i + offset``). The second clause
+keeps fully padded query rows finite; real tokens never read padding, so their outputs equal
+those of the unpadded sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMask:
+    """Which keys each query may read.
+
+    Attributes:
+        key_padding: ``(B, S)`` bool, ``True`` for real tokens; ``None`` if nothing is padded.
+        query_offset: absolute position of the first query in the key sequence (``S - N`` when
+            the keys include a cache; 0 for a plain forward). A 0-d int64 tensor in fixed-shape
+            (compiled, static-cache) decoding.
+    """
+
+    key_padding: torch.Tensor | None = None
+    query_offset: int | torch.Tensor = 0
+
+    def dense(
+        self, n_queries: int, n_keys: int, device: torch.device, row_start: int = 0
+    ) -> torch.Tensor:
+        """Boolean ``(B or 1, 1, n_queries, S)`` tensor of allowed (query, key) pairs.
+
+        ``row_start`` selects query rows ``row_start … row_start + n_queries − 1`` of the call,
+        so blocked kernels build the mask of one block of rows at a time.
+        """
+        q_pos = torch.arange(n_queries, device=device)[:, None] + (self.query_offset + row_start)
+        k_pos = torch.arange(n_keys, device=device)[None, :]
+        causal = k_pos <= q_pos
+        if self.key_padding is None:
+            return causal[None, None]
+        real = self.key_padding[:, None, None, :].to(device=device, dtype=torch.bool)
+        diagonal = (k_pos == q_pos)[None, None]
+        return causal[None, None] & (real | diagonal)
+
+
+def expand_kv(x: torch.Tensor, n_query_heads: int) -> torch.Tensor:
+    """Repeat KV heads so query head ``m`` reads KV head ``m // (Hq / Hkv)`` (the GQA rule)."""
+    rep = n_query_heads // x.shape[1]
+    return x if rep == 1 else x.repeat_interleave(rep, dim=1)

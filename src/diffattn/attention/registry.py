@@ -1,0 +1,187 @@
+"""The kernel registry: a backend name maps to its attention entry points.
+
+Every attention call of diffattn goes through one of three entry points, and a backend supplies
+its own implementation of each (after Hugging Face's ``AttentionInterface``):
+
+``softmax(q, k, v, mask, scale) -> out``
+    ``softmax(QKᵀ·scale + mask) V``. q ``(B, Hq, N, d)``, k ``(B, Hkv, S, d)``, v
+    ``(B, Hkv, S, dv)``, out ``(B, Hq, N, dv)``; query head ``m`` reads KV head
+    ``m // (Hq / Hkv)``. Required.
+``diff_v1(q1, q2, k1, k2, v, lam, mask, scale) -> out``
+    DIFF V1 Eq.1 per differential head, ``(softmax(Q1K1ᵀ) − λ softmax(Q2K2ᵀ)) V`` with a 0-d
+    λ. q1, q2 ``(B, H, N, d)``; k1, k2 ``(B, Hkv, S, d)``; v ``(B, Hkv, S, 2d)``. Optional.
+``diff_v2(q, k, v, lam, mask, scale, paired) -> out``
+    DIFF V2: one softmax attention over the 2h query heads, then
+    ``o_{2i} − λ_i·o_{2i+1}`` (``paired``) or ``o_i − λ_i·o_{i+h}``; λ ``(B, h, N, 1)`` or
+    ``None`` (no λ). Optional.
+
+The built-in backends declare their differential entry points with :func:`compose_v1` and
+:func:`compose_v2`, exact compositions from their ``softmax`` (two calls for V1, one call and a
+subtraction for V2). A registered backend that leaves an entry point out gets the same
+composition, with a warning logged once on the ``diffattn.kernels`` logger, so a missing fused
+kernel is visible and never wrong.
+
+Adding a kernel: one file in :mod:`diffattn.attention.backends` that calls
+:func:`register_backend` at import (the package's modules are imported on first lookup), plus its
+parity tests against ``reference``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("diffattn.kernels")
+
+SoftmaxFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One attention backend.
+
+    Attributes:
+        name: the name users pass (``model.set_backend(name)``).
+        softmax: the softmax-attention entry point (see the module docstring).
+        diff_v1, diff_v2: fused differential entry points, or ``None`` to compose them.
+        unusable: ``unusable(q)`` returns why the backend cannot run on tensors like ``q``
+            (device, dtype, missing package), or ``None`` when it can.
+        hf_name: the Hugging Face ``attn_implementation`` this backend answers to, if any.
+        description: one line for listings and docs.
+    """
+
+    name: str
+    softmax: SoftmaxFn
+    diff_v1: SoftmaxFn | None = None
+    diff_v2: SoftmaxFn | None = None
+    unusable: Callable[[torch.Tensor], str | None] | None = None
+    hf_name: str | None = None
+    description: str = ""
+
+    @classmethod
+    def from_softmax(cls, name: str, softmax: SoftmaxFn, **fields) -> Backend:
+        """A backend whose differential entry points are composed from ``softmax``."""
+        return cls(name, softmax, compose_v1(softmax), compose_v2(softmax), **fields)
+
+    def why_unusable(self, q: torch.Tensor) -> str | None:
+        return None if self.unusable is None else self.unusable(q)
+
+
+_BACKENDS: dict[str, Backend] = {}
+_AUTO_ORDER = ("flash", "sdpa")
+_logged: set[tuple[str, str]] = set()
+_discovered = False
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
+    """Add ``backend`` to the registry; re-registering a name needs ``replace=True``."""
+    if backend.name == "auto":
+        raise ValueError("'auto' is reserved: it picks the fastest usable backend")
+    if backend.name in _BACKENDS and not replace:
+        raise ValueError(f"attention backend {backend.name!r} is already registered")
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def _discover() -> None:
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    from diffattn.attention import backends
+
+    for info in pkgutil.iter_modules(backends.__path__):
+        importlib.import_module(f"{backends.__name__}.{info.name}")
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every registered backend name, plus ``auto``."""
+    _discover()
+    return (*_BACKENDS, "auto")
+
+
+def check_backend_name(name: str) -> str:
+    """``name`` if it is ``auto`` or registered, else ``ValueError`` listing the choices."""
+    _discover()
+    if name != "auto" and name not in _BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of {', '.join(backend_names())}"
+        )
+    return name
+
+
+def get_backend(name: str) -> Backend:
+    """The registered backend called ``name`` (not ``auto``: see :func:`resolve_backend`)."""
+    check_backend_name(name)
+    if name == "auto":
+        raise ValueError("'auto' is resolved per call; use resolve_backend(name, q)")
+    return _BACKENDS[name]
+
+
+def backend_for_hf(attn_implementation: str) -> str | None:
+    """The diffattn backend answering to a Hugging Face ``attn_implementation`` name."""
+    _discover()
+    if attn_implementation in _BACKENDS:
+        return attn_implementation
+    for backend in _BACKENDS.values():
+        if backend.hf_name == attn_implementation:
+            return backend.name
+    return None
+
+
+def resolve_backend(name: str, q: torch.Tensor) -> str:
+    """A concrete backend for tensors like ``q``: ``auto`` picks flash when it can run, else
+    sdpa; a named backend that cannot run on ``q`` raises ``RuntimeError`` saying why."""
+    check_backend_name(name)
+    if name == "auto":
+        for candidate in _AUTO_ORDER:
+            backend = _BACKENDS.get(candidate)
+            if backend is not None and backend.why_unusable(q) is None:
+                return candidate
+        return "reference"
+    reason = _BACKENDS[name].why_unusable(q)
+    if reason is not None:
+        raise RuntimeError(f"backend={name!r} {reason}")
+    return name
+
+
+def log_once(backend: str, entry_point: str, message: str) -> None:
+    """Warn about a fallback once per (backend, entry point)."""
+    if (backend, entry_point) not in _logged:
+        _logged.add((backend, entry_point))
+        logger.warning("attention backend %r: %s", backend, message)
+
+
+def pair_heads(t: torch.Tensor, paired: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """DIFF V2's head pairs along dim 1: ``(2i, 2i+1)`` when ``paired``, else ``(i, i+h)``."""
+    if paired:
+        return t[:, 0::2], t[:, 1::2]
+    h = t.shape[1] // 2
+    return t[:, :h], t[:, h:]
+
+
+def compose_v1(softmax: SoftmaxFn) -> SoftmaxFn:
+    """DIFF V1 Eq.1 from two ``softmax`` calls, each against the full 2d-wide V (App. A's
+    FlashDiffAttn_1 form)."""
+
+    def diff_v1(q1, q2, k1, k2, v, lam, mask, scale):
+        o1 = softmax(q1, k1, v, mask, scale)
+        o2 = softmax(q2, k2, v, mask, scale)
+        return o1 - lam.to(o1.dtype) * o2
+
+    return diff_v1
+
+
+def compose_v2(softmax: SoftmaxFn) -> SoftmaxFn:
+    """DIFF V2 from one ``softmax`` call over the 2h query heads and ``o1 − λ·o2`` per pair."""
+
+    def diff_v2(q, k, v, lam, mask, scale, paired):
+        o1, o2 = pair_heads(softmax(q, k, v, mask, scale), paired)
+        return o1 - o2 if lam is None else o1 - lam.to(o2.dtype) * o2
+
+    return diff_v2
