@@ -48,7 +48,7 @@ def test_builtin_backends_are_registered():
 def test_unknown_backend_is_one_clear_error():
     with pytest.raises(ValueError, match="unknown attention backend 'magic'; choose one of"):
         registry.get_backend("magic")
-    with pytest.raises(ValueError, match="ModelConfig.backend"):
+    with pytest.raises(ValueError, match=r"ModelConfig\.backend"):
         ModelConfig(backend="magic")
     with pytest.raises(ValueError, match="unknown attention backend"):
         _tiny("baseline").set_backend("magic")
