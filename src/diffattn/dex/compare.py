@@ -137,7 +137,7 @@ def compare_methods(
                 run_config,
                 run_dir,
                 progress=progress,
-                callbacks=[dex_train._lambda_metrics] if method == "dex" else (),
+                callbacks=dex_train.dex_callbacks() if method == "dex" else (),
                 data=data,
                 model_factory=make,
             )

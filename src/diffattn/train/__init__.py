@@ -8,6 +8,10 @@ result = train(config, "runs/tiny-v1")
 result.losses[100], result.final["lambda"], result.checkpoint
 ```
 
+``train`` is ``Trainer(config, out).run()``; a :class:`Trainer` also runs step by step
+(``build``, ``train_step``, ``evaluate``, ``save``) and trains any ``nn.Module`` through
+``model_factory``.
+
 The same entry point runs as ``diffattn train CONFIG`` / ``python -m diffattn.train CONFIG``
 and under ``torchrun``; see ``docs/training.md``.
 """
@@ -29,9 +33,12 @@ from diffattn.train.optim import LRSchedule, build_optimizer, parameter_groups
 from diffattn.train.parallel import build_model, parallelize
 from diffattn.train.trainer import (
     Callback,
+    Evaluation,
     StepState,
+    Trainer,
     TrainingDiverged,
     TrainResult,
+    evaluate,
     train,
 )
 
@@ -39,6 +46,7 @@ __all__ = [
     "Callback",
     "ConfigError",
     "DistEnv",
+    "Evaluation",
     "LRSchedule",
     "ModelSection",
     "OptimSection",
@@ -46,12 +54,14 @@ __all__ = [
     "StepState",
     "TrainConfig",
     "TrainResult",
+    "Trainer",
     "TrainingDiverged",
     "apply_overrides",
     "build_model",
     "build_optimizer",
     "check_runtime",
     "dump_config",
+    "evaluate",
     "load_config",
     "parallelize",
     "parameter_groups",

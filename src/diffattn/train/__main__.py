@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
-from collections.abc import Sequence
 
-from diffattn.commands import train as command
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m diffattn.train", description=command.DESCRIPTION
-    )
-    command.add_arguments(parser)
-    return command.run(parser.parse_args(argv))
-
+from diffattn.train.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

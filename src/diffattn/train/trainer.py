@@ -1,12 +1,23 @@
-"""The training loop: :func:`train` runs a :class:`TrainConfig`, returns a :class:`TrainResult`.
+"""The training loop: :class:`Trainer` runs a :class:`TrainConfig`, returns a :class:`TrainResult`.
 
-One optimizer step: set the learning rate for the step; take the rank's share of the global
-batch (``global_batch_size / world`` sequences of ``seq_len`` tokens); run it in micro batches
-of ``micro_batch_size`` with bf16 autocast on CUDA, scaling each micro loss by 1/accumulation
-and synchronising gradients only on the last one; clip the global gradient norm; agree over
-ranks on the mean loss and on stop requests; stop if the loss or the gradient norm is not
-finite (weights untouched); take the AdamW step; call the step callbacks; log, evaluate and
-checkpoint as configured. Only rank 0 logs and writes.
+``train(config, out)`` is ``Trainer(config, out).run()``. The trainer's parts, in the order
+``run`` uses them:
+
+* :meth:`Trainer.build`: launch (torchrun environment, process group, resume plan), data,
+  model (a preset or ``model_factory()``, parallelised with DDP or FSDP2), optimizer and
+  schedule, data loader, resume state, validation batches, output directory and logger.
+* :meth:`Trainer.train_step`: one optimizer step. Set the learning rate for the step; take
+  the rank's share of the global batch (``global_batch_size / world`` sequences of
+  ``seq_len`` tokens) and run :meth:`Trainer.forward_backward_step` on it: micro batches of
+  ``micro_batch_size`` with bf16 autocast on CUDA, each micro loss scaled by 1/accumulation,
+  gradients synchronised only on the last one. Then clip the global gradient norm; agree over
+  ranks on the mean loss and on stop requests; stop if the loss or the gradient norm is not
+  finite (weights untouched); take the AdamW step; call the step callbacks.
+* :meth:`Trainer.evaluate`: the mean validation loss, and per-token losses on request.
+* :meth:`Trainer.save`: a checkpoint of the current step.
+
+``run`` logs, evaluates and checkpoints as configured after each step. Only rank 0 logs and
+writes.
 
 Exactness: the initial weights depend only on the seed (built on CPU, or broadcast from rank
 0 under FSDP2), the data order only on the seed and the step, and a checkpoint holds
@@ -14,15 +25,15 @@ everything else (optimizer, schedule, RNG states, loader position, spike detecto
 resumed run repeats the losses of an uninterrupted one on CPU.
 
 Any model: ``train(config, out, model_factory=make)`` trains the ``nn.Module`` that ``make()``
-returns instead of the preset of ``config.model`` (single process only, ``parallel: none``).
-Its ``forward(input_ids, labels=input_ids)`` must return an object with ``.loss`` (a
-:class:`~diffattn.DiffTransformerLM` and Hugging Face causal LMs both shift the labels
-inside). Only parameters with ``requires_grad`` reach the optimizer, so a partly frozen model
-(Dex, Kong et al. §3.4; LoRA) trains just its trainable set. Its checkpoints hold the full
-``state_dict()`` (``model_state.safetensors``, buffers such as Dex's step t included), the
-trainer state and ``factory.json``; ``--resume`` loads them into a fresh ``make()``. A model
-carrying Dex layers gets :func:`diffattn.dex.trainer_callback` added, which keeps the Dex step
-t of Eq.4 equal to the optimizer step and logs the mean λ(t) as ``dex_lambda``.
+returns instead of the preset of ``config.model``, through the same path: one process, DDP or
+FSDP2 (FSDP2 shards the blocks of ``model.layers``). Its ``forward(input_ids,
+labels=input_ids)`` must return an object with ``.loss`` (a :class:`~diffattn.DiffTransformerLM`
+and Hugging Face causal LMs both shift the labels inside; per-token validation losses also
+need ``.logits``). Only parameters with ``requires_grad`` reach the optimizer, so a partly
+frozen model (Dex, LoRA) trains just its trainable set. Its checkpoints hold the full
+``state_dict()`` (``model_state.safetensors``, buffers included), the trainer state and
+``factory.json``; ``--resume`` loads them into a fresh ``make()``. Model-specific step logic
+(e.g. Dex's step t) comes in through ``callbacks``.
 """
 
 from __future__ import annotations
@@ -34,13 +45,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from diffattn.config import ModelConfig
@@ -55,8 +67,9 @@ from diffattn.train.parallel import (
     full_model_state,
     full_optimizer_state,
     gradient_sync,
+    load_full_model_state,
     load_full_optimizer_state,
-    unwrap,
+    parallelize,
 )
 
 CONFIG_COPY_NAME = "config.yaml"
@@ -105,7 +118,7 @@ class TrainingDiverged(RuntimeError):
 class StepState:
     """What a step callback sees, after the optimizer step of ``step`` (on every rank).
 
-    ``model`` is the :class:`~diffattn.DiffTransformerLM` (sharded in place under FSDP2).
+    ``model`` is the trained module (unwrapped from DDP, sharded in place under FSDP2).
     A callback may add entries to ``metrics`` (logged with the step when it is a logging
     step) or set ``stop = True`` to end the run after this step with a checkpoint.
     """
@@ -280,7 +293,7 @@ def train(
     data: Any | None = None,
     model_factory: Callable[[], nn.Module] | None = None,
 ) -> TrainResult:
-    """Train ``config`` into ``out_dir``; see the module docstring for one step.
+    """Train ``config`` into ``out_dir``: ``Trainer(config, out_dir, ...).run()``.
 
     Args:
         config: a validated :class:`TrainConfig`.
@@ -297,360 +310,668 @@ def train(
         ConfigError: an invalid setting or resume request (before any file is written).
         TrainingDiverged: a NaN/Inf loss or gradient norm.
     """
-    try:
-        env = distributed.read_env()
-    except ValueError as error:
-        raise ConfigError("environment", str(error)) from None
-    check_runtime(config, env)
-    if model_factory is not None and (config.parallel != "none" or env.world_size > 1):
-        raise ConfigError("parallel", "a model_factory run trains in one process (parallel: none)")
-    model_config = config.model_config() if model_factory is None else None
-    data_config = config.data_config() if data is None else None
-    device = distributed.resolve_device(config.device, env)
-    out = Path(out_dir)
-    distributed.init_process_group(env, device)
-    main = env.is_main
+    trainer = Trainer(
+        config,
+        out_dir,
+        resume=resume,
+        progress=progress,
+        callbacks=callbacks,
+        data=data,
+        model_factory=model_factory,
+    )
+    return trainer.run()
 
-    def say(message: str) -> None:
-        if progress and main:
-            print(message, file=sys.stderr, flush=True)
 
-    plan = _plan(config, model_config, out, resume) if main else None
-    found, error, notes = distributed.broadcast_object(plan)
-    if error is not None:
-        raise ConfigError(*error)
-    resuming = found is not None
+class Trainer:
+    """One training run of ``config`` into ``out_dir``; the arguments are :func:`train`'s.
 
-    # data --------------------------------------------------------------------------------
-    from diffattn.data import BatchLoader, eval_batches, prepare_data
+    ``run()`` builds, trains to ``config.steps`` and returns a :class:`TrainResult`. The parts
+    can also be driven one by one::
 
-    if data is None:
+        trainer = Trainer(config, out).build()
+        state = trainer.train_step()                  # one optimizer step -> StepState
+        trainer.evaluate(return_token_losses=True)    # -> Evaluation(loss, token_losses)
+        trainer.save()                                # checkpoint of trainer.step
+        trainer.close()
+
+    After :meth:`build`, ``model`` is the trained module (unwrapped from DDP, sharded in place
+    under FSDP2), ``parallel_model`` what the forward passes run on, ``step`` the last
+    completed optimizer step.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        out_dir: str | Path,
+        *,
+        resume: bool = False,
+        progress: bool = True,
+        callbacks: Sequence[Callback] = (),
+        data: Any | None = None,
+        model_factory: Callable[[], nn.Module] | None = None,
+    ) -> None:
+        self.config = config
+        self.out = Path(out_dir)
+        self.resume = resume
+        self.progress = progress
+        self.callbacks = list(callbacks)
+        self.data = data
+        self.model_factory = model_factory
+        self.built = False
+        self.step = 0
+        self.tokens = 0
+        self.elapsed_before = 0.0
+        self.losses: dict[int, float] = {}
+        self.val_losses: dict[int, float] = {}
+        self.record: dict[str, Any] = {}
+        self.stopped: str | None = None
+        self.eval_list: list[torch.Tensor] | None = None
+        self.checkpoint_found: Path | None = None
+        self.last_checkpoint: Path | None = None
+        self.last_saved_step = -1
+        self.logger: MetricsLogger | None = None
+        self.probe: Any = _NoProbe()
+        self._signals = _SignalCatcher()
+        self._bar: Progress | None = None
+        self._window: list[float] = []
+        self._window_time = 0.0
+        self._t_start = time.perf_counter()
+
+    # ------------------------------------------------------------------------------------
+    # build
+    def build(self) -> Trainer:
+        """Launch, data, model (parallelised), optimizer, schedule, loader, resume, output.
+
+        Raises :class:`ConfigError` for an invalid setting before any file is written.
+        """
+        self._launch()
+        self._build_data()
+        self._build_model()
+        self._build_optimizer()
+        self._build_loader()
+        if self.checkpoint_found is not None:
+            self._resume_from(self.checkpoint_found)
+        if self.config.eval_every:
+            self._build_eval_batches(announce=True)
+        self._open_output()
+        self.built = True
+        self.last_checkpoint = self.checkpoint_found
+        self.last_saved_step = self.step if self.checkpoint_found is not None else -1
+        self._t_start = time.perf_counter()
+        return self
+
+    def _launch(self) -> None:
+        """Read the launch, join the process group, and plan the resume (rank 0 decides)."""
+        config = self.config
         try:
-            if main:
-                data = prepare_data(data_config, progress=progress)
-            distributed.barrier()
-            if not main:
-                data = prepare_data(data_config, progress=False)
-        except ValueError as error:  # a missing source, an empty corpus, ...
-            raise ConfigError("data", str(error)) from None
-    vocab = int(data.tokenizer.vocab_size)
-    if model_config is not None and vocab > model_config.vocab_size:
-        raise ConfigError(
-            "model.vocab_size",
-            f"{model_config.vocab_size} is smaller than the tokenizer's {vocab} tokens "
-            f"({getattr(data.tokenizer, 'name', 'tokenizer')})",
-        )
+            env = distributed.read_env()
+        except ValueError as error:
+            raise ConfigError("environment", str(error)) from None
+        check_runtime(config, env)
+        self.model_config = config.model_config() if self.model_factory is None else None
+        self._data_config = config.data_config() if self.data is None else None
+        self.env = env
+        self.world = env.world_size
+        self.main = env.is_main
+        self.device = distributed.resolve_device(config.device, env)
+        distributed.init_process_group(env, self.device)
+        plan = _plan(config, self.model_config, self.out, self.resume) if self.main else None
+        found, error, notes = distributed.broadcast_object(plan)
+        if error is not None:
+            raise ConfigError(*error)
+        self.checkpoint_found = found
+        self.notes: list[str] = list(notes)
 
-    # model, optimizer, schedule, loader --------------------------------------------------
-    seed_everything(config.seed)
-    if model_factory is not None:
-        model = _factory_model(model_factory, found if resuming else None, device, vocab)
-        core = model
-        model_config = getattr(core, "config", None)
-        if not isinstance(model_config, ModelConfig):
-            model_config = None
-    else:
-        initial_state = ckpt.load_model_state(found) if (resuming and main) else None
-        model = build_model(
-            model_config,
+    def _build_data(self) -> None:
+        """Prepare the data (rank 0 first, then the others from its cache)."""
+        from diffattn.data import prepare_data
+
+        if self.data is None:
+            try:
+                if self.main:
+                    self.data = prepare_data(self._data_config, progress=self.progress)
+                distributed.barrier()
+                if not self.main:
+                    self.data = prepare_data(self._data_config, progress=False)
+            except ValueError as error:  # a missing source, an empty corpus, ...
+                raise ConfigError("data", str(error)) from None
+        self.vocab = int(self.data.tokenizer.vocab_size)
+        model_config = self.model_config
+        if model_config is not None and self.vocab > model_config.vocab_size:
+            raise ConfigError(
+                "model.vocab_size",
+                f"{model_config.vocab_size} is smaller than the tokenizer's {self.vocab} tokens "
+                f"({getattr(self.data.tokenizer, 'name', 'tokenizer')})",
+            )
+
+    def _build_model(self) -> None:
+        """The seeded model, parallelised; a resumed run's weights loaded into it."""
+        seed_everything(self.config.seed)
+        if self.model_factory is None:
+            self.parallel_model = self._build_preset_model()
+        else:
+            self.parallel_model = self._build_factory_model()
+        self.model = _unwrap(self.parallel_model)
+        if self.model_factory is not None:
+            own = getattr(self.model, "config", None)
+            self.model_config = own if isinstance(own, ModelConfig) else None
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.num_trainable = sum(p.numel() for p in self.trainable)
+
+    def _build_preset_model(self) -> nn.Module:
+        config, found = self.config, self.checkpoint_found
+        initial_state = ckpt.load_model_state(found) if (found and self.main) else None
+        return build_model(
+            self.model_config,
             mode=config.parallel,
-            device=device,
+            device=self.device,
             seed=config.seed,
             fsdp_init=config.fsdp_init,
             activation_checkpointing=config.activation_checkpointing,
             compile=config.compile,
             initial_state=initial_state,
-            load_initial_state=resuming,
+            load_initial_state=found is not None,
         )
-        del initial_state
-        core = unwrap(model)
-    num_parameters = sum(p.numel() for p in core.parameters())
-    num_trainable = sum(p.numel() for p in core.parameters() if p.requires_grad)
-    callbacks = list(callbacks)
-    if model_factory is not None:
-        from diffattn import dex
 
-        if dex.is_dex(core):
-            callbacks.insert(0, dex.trainer_callback(core))
-    optimizer = build_optimizer(core, config.optim)
-    schedule = LRSchedule(config.optim.lr, config.schedule, config.decay_horizon)
-    world = env.world_size
-    local_batch = config.global_batch_size // world
-    micro = config.micro_batch_size or local_batch
-    accumulation = local_batch // micro
-    loader = BatchLoader(
-        data.train,
-        batch_size=config.global_batch_size,
-        seq_len=config.seq_len,
-        seed=config.seed,
-        rank=env.rank,
-        world_size=world,
-    )
-    batches = loader if hasattr(loader, "__next__") else iter(loader)
-    spikes = SpikeDetector(config.spike_factor, config.spike_window)
+    def _build_factory_model(self) -> nn.Module:
+        """``model_factory()`` on every rank (the same seed, so the same weights), moved to the
+        device and parallelised. A checkpoint is read by rank 0 only: loaded before the DDP
+        wrapper broadcasts rank 0's weights, or broadcast into the FSDP2 shards."""
+        mode, found = self.config.parallel, self.checkpoint_found
+        model = _factory_model(self.model_factory, self.vocab)
+        if mode == "fsdp" and not isinstance(getattr(model, "layers", None), nn.ModuleList):
+            raise ConfigError(
+                "parallel",
+                f"fsdp shards the blocks of model.layers, which {type(model).__name__} does "
+                "not have; use parallel: ddp",
+            )
+        state = _read_factory_state(found) if (found and self.main) else None
+        if state is not None and mode != "fsdp":
+            _load_factory_state(model, state, found)
+        wrapped = parallelize(model.to(self.device), mode, self.device)
+        if found is not None and mode == "fsdp":
+            load_full_model_state(wrapped, state)
+        return wrapped
 
-    start_step, tokens, elapsed_before = 0, 0, 0.0
-    if resuming:
+    def _build_optimizer(self) -> None:
+        self.optimizer = build_optimizer(self.model, self.config.optim)
+        self.schedule = LRSchedule(
+            self.config.optim.lr, self.config.schedule, self.config.decay_horizon
+        )
+
+    def _build_loader(self) -> None:
+        """This rank's share of each global batch, in micro batches."""
+        from diffattn.data import BatchLoader
+
+        config = self.config
+        self.local_batch = config.global_batch_size // self.world
+        self.micro = config.micro_batch_size or self.local_batch
+        self.accumulation = self.local_batch // self.micro
+        self.loader = BatchLoader(
+            self.data.train,
+            batch_size=config.global_batch_size,
+            seq_len=config.seq_len,
+            seed=config.seed,
+            rank=self.env.rank,
+            world_size=self.world,
+        )
+        loader = self.loader
+        self.batches = loader if hasattr(loader, "__next__") else iter(loader)
+        self.spikes = SpikeDetector(config.spike_factor, config.spike_window)
+
+    def _resume_from(self, found: Path) -> None:
+        """Optimizer, counters, spike detector, loader position and RNG of the checkpoint."""
+        main = self.main
         state = ckpt.load_trainer_state(found) if main else None
-        load_full_optimizer_state(model, optimizer, state.pop("optimizer") if main else None)
+        optimizer_state = state.pop("optimizer") if main else None
+        load_full_optimizer_state(self.parallel_model, self.optimizer, optimizer_state)
         state = distributed.broadcast_object(state)
-        start_step = int(state["step"])
-        tokens = int(state["tokens"])
-        elapsed_before = float(state.get("elapsed_s", 0.0))
-        spikes.load_state_dict(state["spikes"])
+        self.step = int(state["step"])
+        self.tokens = int(state["tokens"])
+        self.elapsed_before = float(state.get("elapsed_s", 0.0))
+        self.spikes.load_state_dict(state["spikes"])
         rank_states = state["rank_states"]
-        own = rank_states[env.rank] if len(rank_states) == world else rank_states[0]
-        loader.load_state_dict(own["loader"])
+        own = rank_states[self.env.rank] if len(rank_states) == self.world else rank_states[0]
+        self.loader.load_state_dict(own["loader"])
         ckpt.restore_rng_state(own["rng"])
-        notes += [f"schedule {c}" for c in schedule.describe_changes(state["schedule"])]
+        changes = self.schedule.describe_changes(state["schedule"])
+        self.notes += [f"schedule {change}" for change in changes]
 
-    eval_list: list[torch.Tensor] = []
-    if config.eval_every:
+    def _build_eval_batches(self, announce: bool = False) -> list[torch.Tensor]:
+        """The fixed validation batches (this rank's rows); empty when the split is too
+        small, with a note when ``announce``."""
+        from diffattn.data import eval_batches
+
+        config = self.config
+        self.eval_list = []
         try:
-            eval_list = list(
+            self.eval_list = list(
                 eval_batches(
-                    data.valid,
+                    self.data.valid,
                     config.eval_batch_size or config.global_batch_size,
                     config.seq_len,
                     config.eval_batches,
-                    rank=env.rank,
-                    world_size=world,
+                    rank=self.env.rank,
+                    world_size=self.world,
                     drop_last=True,
                 )
             )
         except ValueError as error:
-            say(f"note: no validation loss ({error})")
+            if announce:
+                self._say(f"note: no validation loss ({error})")
+        return self.eval_list
 
-    # output ------------------------------------------------------------------------------
-    root = out / ckpt.CHECKPOINTS_DIRNAME
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        ckpt.remove_partial(root)
-        (out / CONFIG_COPY_NAME).write_text(dump_config(config), encoding="utf-8")
-        tokenizer_dir = _save_tokenizer_once(data.tokenizer, out / TOKENIZER_DIRNAME)
-    else:
-        tokenizer_dir = None
-    logger = MetricsLogger(
-        out,
-        enabled=main,
-        resume_step=start_step if resuming else None,
-        tensorboard=config.tensorboard,
-        wandb=config.wandb,
-        wandb_project=config.wandb_project,
-        run_name=config.run_name,
-        config=config.to_dict(),
-    )
-    probe = LambdaProbe(core) if isinstance(core, DiffTransformerLM) else _NoProbe()
-    what = model_config.attention if model_config is not None else type(core).__name__
-    if num_trainable != num_parameters:
-        what += f" · {num_trainable:,} trainable of"
-    say(
-        f"diffattn train: {what} {num_parameters:,} parameters · "
-        f"{config.parallel} on {world} × {device.type} · global batch "
-        f"{config.global_batch_size} × {config.seq_len} tokens · micro {micro} × "
-        f"{accumulation} accumulation"
-    )
-    if resuming:
-        say(f"resuming from {found} (step {start_step})")
-        if start_step >= config.steps:
-            say(f"nothing to do: the checkpoint is at step {start_step} >= steps={config.steps}")
-    for note in notes:
-        say(f"note: {note}")
+    def _open_output(self) -> None:
+        """The run directory (rank 0 writes), the metrics logger and the opening messages."""
+        config, out = self.config, self.out
+        self.checkpoint_root = out / ckpt.CHECKPOINTS_DIRNAME
+        self.tokenizer_dir = None
+        if self.main:
+            out.mkdir(parents=True, exist_ok=True)
+            ckpt.remove_partial(self.checkpoint_root)
+            (out / CONFIG_COPY_NAME).write_text(dump_config(config), encoding="utf-8")
+            self.tokenizer_dir = _save_tokenizer_once(self.data.tokenizer, out / TOKENIZER_DIRNAME)
+        self.logger = MetricsLogger(
+            out,
+            enabled=self.main,
+            resume_step=self.step if self.checkpoint_found is not None else None,
+            tensorboard=config.tensorboard,
+            wandb=config.wandb,
+            wandb_project=config.wandb_project,
+            run_name=config.run_name,
+            config=config.to_dict(),
+        )
+        if isinstance(self.model, DiffTransformerLM):
+            self.probe = LambdaProbe(self.model)
+        self._announce()
 
-    def save(step: int) -> Path:
-        if not _weights_finite(trainable, device):
+    def _announce(self) -> None:
+        config = self.config
+        model_config = self.model_config
+        what = model_config.attention if model_config is not None else type(self.model).__name__
+        if self.num_trainable != self.num_parameters:
+            what += f" · {self.num_trainable:,} trainable of"
+        self._say(
+            f"diffattn train: {what} {self.num_parameters:,} parameters · "
+            f"{config.parallel} on {self.world} × {self.device.type} · global batch "
+            f"{config.global_batch_size} × {config.seq_len} tokens · micro {self.micro} × "
+            f"{self.accumulation} accumulation"
+        )
+        if self.checkpoint_found is not None:
+            self._say(f"resuming from {self.checkpoint_found} (step {self.step})")
+            if self.step >= config.steps:
+                self._say(
+                    f"nothing to do: the checkpoint is at step {self.step} >= steps={config.steps}"
+                )
+        for note in self.notes:
+            self._say(f"note: {note}")
+
+    def _say(self, message: str) -> None:
+        if self.progress and self.main:
+            print(message, file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------------------------
+    # one step
+    def forward_backward_step(self, batch: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of this rank's rows of one global batch, in micro batches.
+
+        Gradients accumulate (each micro loss scaled by 1/accumulation) and are synchronised
+        over ranks on the last micro batch only. Returns this rank's mean loss (detached).
+        """
+        config, device = self.config, self.device
+        batch = batch.to(device, non_blocking=True)
+        loss_sum = torch.zeros((), device=device, dtype=torch.float32)
+        for index, chunk in enumerate(batch.split(self.micro)):
+            last = index == self.accumulation - 1
+            with gradient_sync(self.parallel_model, config.parallel, sync=last):
+                with _autocast(device, config.dtype), self.probe.capture():
+                    loss = self.parallel_model(chunk, labels=chunk).loss
+                (loss / self.accumulation).backward()
+            loss_sum += loss.detach().float()
+        return loss_sum / self.accumulation
+
+    def train_step(self) -> StepState:
+        """One optimizer step (see the module docstring); returns what the callbacks saw.
+
+        Sets ``stopped`` when a signal or a callback asks the run to end after this step.
+
+        Raises:
+            TrainingDiverged: a non-finite loss or gradient norm (the weights stay as they
+                were before this step).
+        """
+        config = self.config
+        step = self.step + 1
+        t0 = time.perf_counter()
+        lr = self.schedule.apply(self.optimizer, step)
+        local_loss = self.forward_backward_step(self._next_batch(step))
+        max_norm = config.optim.clip if config.optim.clip else math.inf
+        grad_norm = _plain(torch.nn.utils.clip_grad_norm_(self.trainable, max_norm))
+        loss, stop_requested = self._agree(local_loss)
+        self._check_finite(step, loss, grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = step
+        self.tokens += self.tokens_per_step
+        state = StepState(
+            step, loss, lr, grad_norm, self.tokens, self.model, self.optimizer, config
+        )
+        for callback in self.callbacks:
+            callback(state)
+        self.losses[step] = loss
+        self.spikes.update(loss)
+        step_time = time.perf_counter() - t0
+        self._window.append(loss)
+        self._window_time += step_time
+        if self._bar is not None:
+            self._bar.update(loss, lr, self.tokens_per_step / max(step_time, 1e-9))
+        if stop_requested:
+            self.stopped = self._signals.received or "SIGTERM"
+        elif state.stop:
+            self.stopped = "callback"
+        return state
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.global_batch_size * self.config.seq_len
+
+    def _next_batch(self, step: int) -> torch.Tensor:
+        try:
+            batch = next(self.batches)
+        except StopIteration:
+            raise RuntimeError(f"the training data ran out at step {step}") from None
+        expected = (self.local_batch, self.config.seq_len)
+        if tuple(batch.shape) != expected:
+            raise RuntimeError(
+                f"the data loader gave a batch of shape {tuple(batch.shape)}, expected {expected}"
+            )
+        return batch
+
+    def _agree(self, local_loss: torch.Tensor) -> tuple[float, bool]:
+        """The mean loss over ranks, and whether any rank received a stop signal."""
+        flag = 1.0 if self._signals.received else 0.0
+        agreed = torch.stack([local_loss, torch.tensor(flag, device=self.device)])
+        distributed.all_reduce_sum(agreed)
+        return float(agreed[0]) / self.world, float(agreed[1]) > 0
+
+    def _check_finite(self, step: int, loss: float, grad_norm: float) -> None:
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        what = "loss" if not math.isfinite(loss) else "gradient norm"
+        raise TrainingDiverged(
+            f"non-finite {what} at step {step} (loss {loss}, grad norm {grad_norm}); stopped "
+            f"before updating the weights; {self._last_good()}. Lower optim.lr or raise "
+            "schedule.warmup_steps, then resume.",
+            step,
+            self.last_checkpoint,
+        )
+
+    def _last_good(self) -> str:
+        if self.last_checkpoint is None:
+            return "no checkpoint was written"
+        return f"the last good checkpoint is {self.last_checkpoint}"
+
+    # ------------------------------------------------------------------------------------
+    # evaluation
+    def evaluate(self, return_token_losses: bool = False) -> Evaluation:
+        """The mean loss over every rank's rows of the fixed validation batches.
+
+        With ``return_token_losses`` the result also holds this rank's per-token
+        next-token losses (see :func:`evaluate`). Collective under DDP/FSDP2.
+        """
+        batches = self.eval_list if self.eval_list is not None else self._build_eval_batches()
+        if not batches:
+            raise ValueError(
+                "the held-out split is too small for one evaluation batch; use more text "
+                "(data.sources) or lower eval_batch_size"
+            )
+        return evaluate(
+            self.model,
+            batches,
+            self.micro,
+            self.device,
+            self.config.dtype,
+            return_token_losses=return_token_losses,
+        )
+
+    # ------------------------------------------------------------------------------------
+    # checkpoints
+    def save(self) -> Path:
+        """Checkpoint the current step (collective; rank 0 writes); returns its directory.
+
+        Raises:
+            TrainingDiverged: the weights are not finite (nothing is written).
+        """
+        step = self.step
+        if not _weights_finite(self.trainable, self.device):
             raise TrainingDiverged(
                 f"non-finite weights after step {step}; not saving them. The last good "
-                f"checkpoint is {last_checkpoint}.",
+                f"checkpoint is {self.last_checkpoint}.",
                 step,
-                last_checkpoint,
+                self.last_checkpoint,
             )
-        model_state = full_model_state(model) if model_factory is None else None
-        optim_state = full_optimizer_state(model, optimizer)
+        model_state = full_model_state(self.parallel_model)
+        optimizer_state = full_optimizer_state(self.parallel_model, self.optimizer)
         rank_states = distributed.gather_objects(
-            {"rng": ckpt.capture_rng_state(), "loader": loader.state_dict()}
+            {"rng": ckpt.capture_rng_state(), "loader": self.loader.state_dict()}
         )
         outcome: tuple[str | None, str | None] = (None, None)
-        if main:
+        if self.main:
             try:
-                logger.flush()
-                trainer_state = {
-                    "step": step,
-                    "tokens": tokens,
-                    "world_size": world,
-                    "elapsed_s": elapsed_before + (time.perf_counter() - t_start),
-                    "optimizer": optim_state,
-                    "schedule": schedule.state_dict(),
-                    "spikes": spikes.state_dict(),
-                    "rank_states": rank_states,
-                }
-                if model_factory is not None:
-                    path = _save_factory_checkpoint(
-                        root,
-                        step,
-                        core,
-                        trainer_state,
-                        dump_config(config),
-                        tokenizer_dir,
-                        config.keep_last,
-                    )
-                else:
-                    path = ckpt.save_checkpoint(
-                        root,
-                        step,
-                        model_config,
-                        model_state,
-                        trainer_state,
-                        dump_config(config),
-                        tokenizer_dir=tokenizer_dir,
-                        keep_last=config.keep_last,
-                    )
-                outcome = (str(path), None)
+                trainer_state = self._trainer_state(optimizer_state, rank_states)
+                outcome = (str(self._write_checkpoint(model_state, trainer_state)), None)
             except Exception as exc:  # every rank must learn about it
                 outcome = (None, f"{type(exc).__name__}: {exc}")
         path, failure = distributed.broadcast_object(outcome)
         if failure is not None:
             raise RuntimeError(f"saving the checkpoint of step {step} failed: {failure}")
-        return Path(path)
+        self.last_checkpoint = Path(path)
+        self.last_saved_step = step
+        return self.last_checkpoint
 
-    trainable = [p for p in core.parameters() if p.requires_grad]
-    max_norm = config.optim.clip if config.optim.clip else math.inf
-    signals = _SignalCatcher()
-    bar = Progress(progress and main, total=config.steps, initial=start_step)
-    last_checkpoint = found
-    last_saved_step = start_step if resuming else -1
-    losses: dict[int, float] = {}
-    val_losses: dict[int, float] = {}
-    record: dict[str, Any] = {}
-    window: list[float] = []
-    window_time = 0.0
-    stopped: str | None = None
-    step = start_step
-    t_start = time.perf_counter()
-    signals.install()
-    model.train()
-    try:
-        while step < config.steps:
-            step += 1
-            t0 = time.perf_counter()
-            lr = schedule.apply(optimizer, step)
-            batch = _next_batch(batches, step)
-            if tuple(batch.shape) != (local_batch, config.seq_len):
-                raise RuntimeError(
-                    f"the data loader gave a batch of shape {tuple(batch.shape)}, expected "
-                    f"{(local_batch, config.seq_len)}"
-                )
-            batch = batch.to(device, non_blocking=True)
-            loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-            for index, chunk in enumerate(batch.split(micro)):
-                with gradient_sync(model, config.parallel, sync=index == accumulation - 1):
-                    with _autocast(device, config.dtype), probe.capture():
-                        loss = model(chunk, labels=chunk).loss
-                    (loss / accumulation).backward()
-                loss_sum += loss.detach().float()
-            grad_norm = _plain(torch.nn.utils.clip_grad_norm_(trainable, max_norm))
-            flag = 1.0 if signals.received else 0.0
-            agreed = torch.stack([loss_sum / accumulation, torch.tensor(flag, device=device)])
-            distributed.all_reduce_sum(agreed)
-            loss_value = float(agreed[0]) / world
-            stop_requested = float(agreed[1]) > 0
-            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-                optimizer.zero_grad(set_to_none=True)
-                what = "loss" if not math.isfinite(loss_value) else "gradient norm"
-                where = (
-                    f"the last good checkpoint is {last_checkpoint}"
-                    if last_checkpoint is not None
-                    else "no checkpoint was written"
-                )
-                raise TrainingDiverged(
-                    f"non-finite {what} at step {step} (loss {loss_value}, grad norm "
-                    f"{grad_norm}); stopped before updating the weights; {where}. Lower "
-                    "optim.lr or raise schedule.warmup_steps, then resume.",
-                    step,
-                    last_checkpoint,
-                )
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            tokens += config.global_batch_size * config.seq_len
-            state_ = StepState(step, loss_value, lr, grad_norm, tokens, core, optimizer, config)
-            for callback in callbacks:
-                callback(state_)
-            losses[step] = loss_value
-            spikes.update(loss_value)
-            step_time = time.perf_counter() - t0
-            window.append(loss_value)
-            window_time += step_time
-            tokens_per_s = config.global_batch_size * config.seq_len / max(step_time, 1e-9)
-            bar.update(loss_value, lr, tokens_per_s)
+    def _trainer_state(self, optimizer_state: dict, rank_states: list) -> dict[str, Any]:
+        self.logger.flush()
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "world_size": self.world,
+            "elapsed_s": self.elapsed_s,
+            "optimizer": optimizer_state,
+            "schedule": self.schedule.state_dict(),
+            "spikes": self.spikes.state_dict(),
+            "rank_states": rank_states,
+        }
 
-            if stop_requested:
-                stopped = signals.received or "SIGTERM"
-            elif state_.stop:
-                stopped = "callback"
-            last = step == config.steps or stopped is not None
-            do_eval = bool(eval_list) and (step % config.eval_every == 0 or step == config.steps)
-            if step % config.log_every == 0 or last or do_eval:
-                record = {
-                    "step": step,
-                    "loss": loss_value,
-                    "loss_mean": sum(window) / len(window),
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "tokens": tokens,
-                    "tokens_per_s": config.global_batch_size
-                    * config.seq_len
-                    * len(window)
-                    / max(window_time, 1e-9),
-                    "step_time_s": window_time / len(window),
-                    "elapsed_s": elapsed_before + (time.perf_counter() - t_start),
-                    "loss_spikes": spikes.count,
-                }
-                record.update(probe.collect(device))
-                if device.type == "cuda":
-                    record["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                if do_eval:
-                    val = _evaluate(core, eval_list, micro, device, config.dtype)
-                    record["val_loss"] = val
-                    val_losses[step] = val
-                record.update(state_.metrics)
-                logger.log(record)
-                window, window_time = [], 0.0
-            save_now = (config.checkpoint_every and step % config.checkpoint_every == 0) or last
-            if save_now and step != last_saved_step:
-                last_checkpoint = save(step)
-                last_saved_step = step
-                bar.write(f"step {step}: checkpoint {last_checkpoint}")
-            if stopped is not None:
-                bar.write(f"step {step}: stopped by {stopped}; checkpoint {last_checkpoint}")
-                break
-    finally:
-        signals.restore()
-        bar.close()
-        logger.close()
-        probe.remove()
+    def _write_checkpoint(self, model_state: dict, trainer_state: dict[str, Any]) -> Path:
+        config = self.config
+        if self.model_factory is not None:
+            return _save_factory_checkpoint(
+                self.checkpoint_root,
+                self.step,
+                type(self.model).__name__,
+                model_state,
+                trainer_state,
+                dump_config(config),
+                self.tokenizer_dir,
+                config.keep_last,
+            )
+        return ckpt.save_checkpoint(
+            self.checkpoint_root,
+            self.step,
+            self.model_config,
+            model_state,
+            trainer_state,
+            dump_config(config),
+            tokenizer_dir=self.tokenizer_dir,
+            keep_last=config.keep_last,
+        )
 
-    return TrainResult(
-        out_dir=out,
-        checkpoint=last_checkpoint,
-        step=step,
-        losses=losses,
-        val_losses=val_losses,
-        final=record,
-        num_parameters=num_parameters,
-        model_config=model_config,
-        tokens=tokens,
-        elapsed_s=elapsed_before + (time.perf_counter() - t_start),
-        stopped=stopped,
-        trainable_parameters=num_trainable,
+    # ------------------------------------------------------------------------------------
+    # the run
+    def run(self) -> TrainResult:
+        """Build (unless built), train to ``config.steps`` (or a stop), close; the result."""
+        if not self.built:
+            self.build()
+        self._bar = Progress(
+            self.progress and self.main, total=self.config.steps, initial=self.step
+        )
+        self._t_start = time.perf_counter()
+        self._signals.install()
+        self.parallel_model.train()
+        try:
+            while self.step < self.config.steps and self.stopped is None:
+                state = self.train_step()
+                self._log_evaluate_save(state)
+        finally:
+            self.close()
+        return self.result()
+
+    def _log_evaluate_save(self, state: StepState) -> None:
+        """After a step: log (with validation) and checkpoint when due, and at the end."""
+        config, step = self.config, state.step
+        last = step == config.steps or self.stopped is not None
+        do_eval = bool(config.eval_every and self.eval_list) and (
+            step % config.eval_every == 0 or step == config.steps
+        )
+        if step % config.log_every == 0 or last or do_eval:
+            self._log(state, do_eval)
+        due = bool(config.checkpoint_every) and step % config.checkpoint_every == 0
+        if (due or last) and step != self.last_saved_step:
+            saved = self.save()
+            self._write(f"step {step}: checkpoint {saved}")
+        if self.stopped is not None:
+            self._write(
+                f"step {step}: stopped by {self.stopped}; checkpoint {self.last_checkpoint}"
+            )
+
+    def _log(self, state: StepState, do_eval: bool) -> None:
+        window, window_time = self._window, self._window_time
+        record = {
+            "step": state.step,
+            "loss": state.loss,
+            "loss_mean": sum(window) / len(window),
+            "lr": state.lr,
+            "grad_norm": state.grad_norm,
+            "tokens": state.tokens,
+            "tokens_per_s": self.tokens_per_step * len(window) / max(window_time, 1e-9),
+            "step_time_s": window_time / len(window),
+            "elapsed_s": self.elapsed_s,
+            "loss_spikes": self.spikes.count,
+        }
+        record.update(self.probe.collect(self.device))
+        if self.device.type == "cuda":
+            record["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if do_eval:
+            val = self.evaluate().loss
+            record["val_loss"] = val
+            self.val_losses[state.step] = val
+        record.update(state.metrics)
+        self.logger.log(record)
+        self.record = record
+        self._window, self._window_time = [], 0.0
+
+    def _write(self, message: str) -> None:
+        if self._bar is not None:
+            self._bar.write(message)
+
+    @property
+    def elapsed_s(self) -> float:
+        """Training time since step 0 (this call's and the checkpoint's)."""
+        return self.elapsed_before + (time.perf_counter() - self._t_start)
+
+    def close(self) -> None:
+        """Restore the signal handlers, close the progress bar, the logger and the probe."""
+        self._signals.restore()
+        if self._bar is not None:
+            self._bar.close()
+        if self.logger is not None:
+            self.logger.close()
+        self.probe.remove()
+
+    def result(self) -> TrainResult:
+        return TrainResult(
+            out_dir=self.out,
+            checkpoint=self.last_checkpoint,
+            step=self.step,
+            losses=self.losses,
+            val_losses=self.val_losses,
+            final=self.record,
+            num_parameters=self.num_parameters,
+            model_config=self.model_config,
+            tokens=self.tokens,
+            elapsed_s=self.elapsed_s,
+            stopped=self.stopped,
+            trainable_parameters=self.num_trainable,
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# evaluation
+@dataclass
+class Evaluation:
+    """The result of :func:`evaluate` / :meth:`Trainer.evaluate`."""
+
+    loss: float
+    """Mean next-token loss over every rank's validation rows."""
+    token_losses: torch.Tensor | None = None
+    """With ``return_token_losses``: this rank's next-token losses, ``(rows, seq_len - 1)``
+    float32 on CPU (row i, column j: −log p(token j+1 | tokens ≤ j))."""
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    batches: Sequence[torch.Tensor],
+    micro_batch_size: int,
+    device: torch.device,
+    dtype: str = "auto",
+    return_token_losses: bool = False,
+) -> Evaluation:
+    """Mean validation loss of ``model`` over every rank's rows of ``batches`` (each rank holds
+    the same number of rows, run in chunks of ``micro_batch_size``), as the trainer measures.
+
+    The mean is the model's own ``.loss`` weighted by rows. With ``return_token_losses`` the
+    per-token losses are computed from ``.logits`` of the same forward passes.
+    """
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, device=device, dtype=torch.float64)
+    token_losses = []
+    for batch in batches:
+        for chunk in batch.to(device).split(micro_batch_size):
+            with _autocast(device, dtype):
+                output = model(chunk, labels=chunk)
+            totals[0] += output.loss.double() * chunk.shape[0]
+            totals[1] += chunk.shape[0]
+            if return_token_losses:
+                token_losses.append(next_token_losses(output.logits, chunk).cpu())
+    distributed.all_reduce_sum(totals)
+    model.train(was_training)
+    losses = torch.cat(token_losses) if return_token_losses else None
+    return Evaluation(float(totals[0] / totals[1]), losses)
+
+
+def next_token_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``(B, N - 1)`` cross-entropy of predicting ``tokens[:, 1:]`` from ``logits[:, :-1]``."""
+    predicted = logits[:, :-1].float()
+    losses = F.cross_entropy(
+        predicted.reshape(-1, predicted.shape[-1]), tokens[:, 1:].reshape(-1), reduction="none"
     )
+    return losses.view(tokens.shape[0], -1)
 
 
-def _factory_model(
-    factory: Callable[[], nn.Module], checkpoint: Path | None, device: torch.device, vocab: int
-) -> nn.Module:
-    """Build a ``model_factory`` model, load a checkpoint's state into it, move it."""
-    from safetensors.torch import load_file
+# ----------------------------------------------------------------------------------------
+# helpers
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (FSDP2 shards in place)."""
+    from torch.nn.parallel import DistributedDataParallel
 
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _factory_model(factory: Callable[[], nn.Module], vocab: int) -> nn.Module:
+    """Build a ``model_factory`` model and check that it embeds every token."""
     model = factory()
     if not isinstance(model, nn.Module):
         raise ConfigError(
@@ -663,27 +984,35 @@ def _factory_model(
             "data.tokenizer",
             f"the tokenizer has {vocab} tokens but the model embeds only {rows}",
         )
-    if checkpoint is not None:
-        state = load_file(str(checkpoint / FACTORY_STATE_NAME))
-        try:
-            model.load_state_dict(state, strict=True)
-        except RuntimeError as error:
-            raise ConfigError(
-                "resume", f"the checkpoint {checkpoint} does not fit the model: {error}"
-            ) from None
-    return model.to(device)
+    return model
+
+
+def _read_factory_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / FACTORY_STATE_NAME))
+
+
+def _load_factory_state(model: nn.Module, state: dict[str, torch.Tensor], checkpoint: Path) -> None:
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as error:
+        raise ConfigError(
+            "resume", f"the checkpoint {checkpoint} does not fit the model: {error}"
+        ) from None
 
 
 def _save_factory_checkpoint(
     root: Path,
     step: int,
-    model: nn.Module,
+    model_class: str,
+    model_state: dict[str, torch.Tensor],
     trainer_state: dict[str, Any],
     config_yaml: str,
     tokenizer_dir: Path | None,
     keep_last: int | None,
 ) -> Path:
-    """A checkpoint of a ``model_factory`` run: the full ``state_dict()`` (parameters and
+    """A checkpoint of a ``model_factory`` run: the full state dict (parameters and
     persistent buffers, tied tensors stored once per name) as safetensors, the trainer state,
     the config and the tokenizer files, written atomically like the preset runs'."""
     import json
@@ -692,10 +1021,10 @@ def _save_factory_checkpoint(
     from safetensors.torch import save_file
 
     final = root / ckpt.checkpoint_name(step)
-    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in model_state.items()}
     with ckpt.atomic_checkpoint_dir(final) as tmp:
         save_file(state, str(tmp / FACTORY_STATE_NAME))
-        marker = {"model_class": type(model).__name__, "step": step, "tensors": len(state)}
+        marker = {"model_class": model_class, "step": step, "tensors": len(state)}
         (tmp / FACTORY_MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
         torch.save(
             ckpt.to_safe({"format": ckpt.FORMAT_VERSION, **trainer_state}),
@@ -745,34 +1074,3 @@ def _weights_finite(params: list[torch.Tensor], device: torch.device) -> bool:
                 break
     distributed.all_reduce_sum(bad)
     return float(bad) == 0.0
-
-
-def _next_batch(batches: Iterable[torch.Tensor], step: int) -> torch.Tensor:
-    try:
-        return next(batches)
-    except StopIteration:
-        raise RuntimeError(f"the training data ran out at step {step}") from None
-
-
-@torch.no_grad()
-def _evaluate(
-    model: nn.Module,
-    batches: list[torch.Tensor],
-    micro: int,
-    device: torch.device,
-    dtype: str,
-) -> float:
-    """Mean validation loss over every rank's rows of the fixed validation batches (each rank
-    holds the same number of rows, run in chunks of the micro batch size)."""
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(2, device=device, dtype=torch.float64)
-    for batch in batches:
-        for chunk in batch.to(device).split(micro):
-            with _autocast(device, dtype):
-                loss = model(chunk, labels=chunk).loss
-            totals[0] += loss.double() * chunk.shape[0]
-            totals[1] += chunk.shape[0]
-    distributed.all_reduce_sum(totals)
-    model.train(was_training)
-    return float(totals[0] / totals[1])

@@ -1,0 +1,93 @@
+"""The training command line: ``diffattn train CONFIG`` and ``python -m diffattn.train CONFIG``.
+
+``CONFIG [--steps N] [--out DIR] [--resume] [--set k=v ...] [--device D] [--quiet]``; the
+same arguments under ``torchrun``. ``diffattn.commands.train`` exposes these to ``diffattn``.
+
+Exit codes: 0 done; 1 the run diverged (NaN/Inf loss, weights of the last good step kept);
+2 an invalid setting (nothing written); 128 + signal number when SIGINT/SIGTERM stopped the
+run after saving a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+DESCRIPTION = (
+    "Train a baseline, DIFF V1 or DIFF V2 language model from a YAML recipe; runs in one "
+    "process or under torchrun (DDP or FSDP2), checkpoints atomically and resumes exactly."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``diffattn train`` to ``parser``."""
+    parser.add_argument("config", help="YAML recipe, e.g. configs/tiny.yaml")
+    parser.add_argument("--steps", type=int, help="optimizer steps to reach (sets steps)")
+    parser.add_argument("--out", help="run directory (default: runs/<recipe name>)")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint in --out"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe entry, value parsed as YAML (e.g. --set optim.lr=3e-4 "
+        "--set model.attention=diff_v1); repeatable",
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="sets device")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress bar or messages (errors still shown)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``diffattn train``; returns the exit code."""
+    from diffattn.train import ConfigError, TrainingDiverged, load_config, shutdown, train
+
+    def error(message: str) -> None:
+        print(f"diffattn train: error: {message}", file=sys.stderr, flush=True)
+
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"steps={args.steps}")
+    if args.device is not None:
+        overrides.append(f"device={args.device}")
+    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    try:
+        config = load_config(args.config, overrides)
+        result = train(config, out, resume=args.resume, progress=not args.quiet)
+    except ConfigError as exc:
+        error(str(exc))
+        return 2
+    except TrainingDiverged as exc:
+        error(str(exc))
+        return 1
+    finally:
+        shutdown()
+    if not args.quiet and _is_main():
+        print(
+            f"diffattn train: step {result.step}, loss {result.final.get('loss', float('nan')):.4f}"
+            + (f", val_loss {result.final['val_loss']:.4f}" if "val_loss" in result.final else "")
+            + f", checkpoint {result.checkpoint}"
+        )
+    return result.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m diffattn.train ARGV``; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m diffattn.train", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def _is_main() -> bool:
+    from diffattn.train.distributed import read_env
+
+    try:
+        return read_env().is_main
+    except ValueError:
+        return True

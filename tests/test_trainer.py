@@ -1,0 +1,172 @@
+"""The :class:`Trainer`: step by step equals ``train()``, per-token validation losses,
+``model_factory`` models under two-process DDP (a Hugging Face Llama) and FSDP2 (a factory
+DiffTransformerLM) equal to one process, and the layering of the train package."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_helpers import REPO, free_port, tiny_recipe
+
+from diffattn.train import Evaluation, TrainConfig, Trainer, read_metrics, shutdown, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOLERANCE = 1e-5
+
+
+def test_steps_by_hand_equal_train(tmp_path, data_cache):
+    config = TrainConfig.from_dict(tiny_recipe(data_cache, steps=3))
+    reference = train(config, tmp_path / "run", progress=False)
+
+    trainer = Trainer(config, tmp_path / "by-hand", progress=False).build()
+    try:
+        losses = {state.step: state.loss for state in (trainer.train_step() for _ in range(3))}
+        checkpoint = trainer.save()
+    finally:
+        trainer.close()
+    assert losses == pytest.approx(reference.losses, abs=0)
+    assert checkpoint.name == reference.checkpoint.name and checkpoint.is_dir()
+
+
+def test_evaluate_returns_per_token_losses_and_their_mean(tmp_path, data_cache):
+    recipe = tiny_recipe(data_cache, steps=1, eval_every=1)
+    trainer = Trainer(TrainConfig.from_dict(recipe), tmp_path / "run", progress=False)
+    result = trainer.run()
+
+    plain = trainer.evaluate()
+    detailed = trainer.evaluate(return_token_losses=True)
+    assert isinstance(plain, Evaluation) and plain.token_losses is None
+    assert plain.loss == detailed.loss == result.val_losses[1]
+    rows = recipe["eval_batches"] * recipe["global_batch_size"]
+    assert detailed.token_losses.shape == (rows, recipe["seq_len"] - 1)
+    assert bool((detailed.token_losses > 0).all())
+    assert float(detailed.token_losses.double().mean()) == pytest.approx(plain.loss, abs=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# any nn.Module through DDP
+def tiny_llama() -> torch.nn.Module:
+    """A Hugging Face causal LM built from its config (seeded by the trainer)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config)
+
+
+def tiny_diffattn() -> torch.nn.Module:
+    """A DIFF V1 :class:`~diffattn.DiffTransformerLM` built by a factory (blocks in .layers)."""
+    from diffattn import DiffTransformerLM, ModelConfig
+
+    config = ModelConfig(
+        vocab_size=512, d_model=32, n_layers=2, n_heads=4, head_dim=8, max_seq_len=64
+    )
+    return DiffTransformerLM(config)
+
+
+def _rank(rank: int, world: int, port: int, recipe: dict, out: str, factory) -> None:
+    """One rank of a torchrun-like launch (torch.multiprocessing sets no variables)."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    try:
+        train(TrainConfig.from_dict(recipe), out, progress=False, model_factory=factory)
+    finally:
+        shutdown()
+
+
+def _two_ranks(recipe: dict, out: Path, factory) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank, args=(2, free_port(), recipe, str(out), factory), nprocs=2, join=True)
+
+
+def _assert_same_records(reference_dir: Path, distributed_dir: Path) -> None:
+    reference, records = read_metrics(reference_dir), read_metrics(distributed_dir)
+    assert [r["step"] for r in records] == [r["step"] for r in reference]
+    for ref, got in zip(reference, records, strict=True):
+        for key in ("loss", "val_loss"):
+            assert (key in ref) == (key in got)
+            if key in ref:
+                assert abs(ref[key] - got[key]) <= TOLERANCE, (ref["step"], key)
+
+
+def test_factory_model_under_ddp_equals_one_process_and_resumes_alone(tmp_path, data_cache):
+    pytest.importorskip("transformers")
+    recipe = tiny_recipe(data_cache, steps=4, eval_every=2, checkpoint_every=2, device="cpu")
+    recipe["keep_last"] = None
+    single = train(
+        TrainConfig.from_dict(recipe), tmp_path / "single", progress=False, model_factory=tiny_llama
+    )
+    ddp_out = tmp_path / "ddp"
+    _two_ranks({**recipe, "parallel": "ddp"}, ddp_out, tiny_llama)
+    _assert_same_records(tmp_path / "single", ddp_out)
+
+    # the DDP checkpoint of step 2 resumes in one process like the single-process run
+    resumed_out = tmp_path / "resumed"
+    shutil.copytree(ddp_out, resumed_out)
+    shutil.rmtree(resumed_out / "checkpoints" / "step-00000004")
+    resumed = train(
+        TrainConfig.from_dict(recipe),
+        resumed_out,
+        resume=True,
+        progress=False,
+        model_factory=tiny_llama,
+    )
+    assert sorted(resumed.losses) == [3, 4]
+    for step in (3, 4):
+        assert abs(resumed.losses[step] - single.losses[step]) <= TOLERANCE
+
+
+def test_factory_model_under_fsdp2_equals_one_process(tmp_path, data_cache):
+    recipe = tiny_recipe(data_cache, steps=3, eval_every=3, device="cpu")
+    train(
+        TrainConfig.from_dict(recipe),
+        tmp_path / "single",
+        progress=False,
+        model_factory=tiny_diffattn,
+    )
+    _two_ranks({**recipe, "parallel": "fsdp"}, tmp_path / "fsdp", tiny_diffattn)
+    _assert_same_records(tmp_path / "single", tmp_path / "fsdp")
+    assert (
+        tmp_path / "fsdp" / "checkpoints" / "step-00000003" / "model_state.safetensors"
+    ).is_file()
+
+
+# ----------------------------------------------------------------------------------------
+# layering
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_the_train_package_imports_neither_dex_nor_the_commands():
+    for path in sorted((REPO / "src" / "diffattn" / "train").glob("*.py")):
+        for name in _imported_modules(path):
+            assert not name.startswith(("diffattn.dex", "diffattn.commands")), (path.name, name)
