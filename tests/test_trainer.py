@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_helpers import REPO, free_port, tiny_recipe
 
 from diffattn.train import Evaluation, TrainConfig, Trainer, read_metrics, shutdown, train
+from helpers import tiny_diffattn, tiny_hf
+from train_helpers import REPO, free_port, tiny_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,29 +53,13 @@ def test_evaluate_returns_per_token_losses_and_their_mean(tmp_path, data_cache):
 # ----------------------------------------------------------------------------------------
 # any nn.Module through DDP
 def tiny_llama() -> torch.nn.Module:
-    """A Hugging Face causal LM built from its config (seeded by the trainer)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config)
+    """A Hugging Face causal LM for the recipe's 512-token BPE."""
+    return tiny_hf("llama", vocab_size=512)
 
 
-def tiny_diffattn() -> torch.nn.Module:
-    """A DIFF V1 :class:`~diffattn.DiffTransformerLM` built by a factory (blocks in .layers)."""
-    from diffattn import DiffTransformerLM, ModelConfig
-
-    config = ModelConfig(
-        vocab_size=512, d_model=32, n_layers=2, n_heads=4, head_dim=8, max_seq_len=64
-    )
-    return DiffTransformerLM(config)
+def tiny_diff_v1() -> torch.nn.Module:
+    """A DIFF V1 :class:`~diffattn.DiffTransformerLM` (blocks in ``.layers``) for the same BPE."""
+    return tiny_diffattn("diff_v1", vocab_size=512)
 
 
 def _rank(rank: int, world: int, port: int, recipe: dict, out: str, factory) -> None:
@@ -143,9 +128,9 @@ def test_factory_model_under_fsdp2_equals_one_process(tmp_path, data_cache):
         TrainConfig.from_dict(recipe),
         tmp_path / "single",
         progress=False,
-        model_factory=tiny_diffattn,
+        model_factory=tiny_diff_v1,
     )
-    _two_ranks({**recipe, "parallel": "fsdp"}, tmp_path / "fsdp", tiny_diffattn)
+    _two_ranks({**recipe, "parallel": "fsdp"}, tmp_path / "fsdp", tiny_diff_v1)
     _assert_same_records(tmp_path / "single", tmp_path / "fsdp")
     assert (
         tmp_path / "fsdp" / "checkpoints" / "step-00000003" / "model_state.safetensors"

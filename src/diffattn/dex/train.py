@@ -194,11 +194,6 @@ def held_out_loss(model: nn.Module, config: Any, data: Any) -> float:
     from diffattn.train import evaluate
 
     batches = eval_list(config, data)
-    if not batches:
-        raise ValueError(
-            "the held-out split is too small for one evaluation batch; use more text "
-            "(data.sources) or lower eval_batch_size"
-        )
     micro = config.micro_batch_size or config.global_batch_size
     device = torch.device("cpu") if config.device in ("auto", "cpu") else torch.device("cuda")
     if config.device == "auto" and torch.cuda.is_available():

@@ -397,6 +397,7 @@ class Trainer:
         self.built = True
         self.last_checkpoint = self.checkpoint_found
         self.last_saved_step = self.step if self.checkpoint_found is not None else -1
+        self.parallel_model.train()
         self._t_start = time.perf_counter()
         return self
 
@@ -658,18 +659,21 @@ class Trainer:
         )
         for callback in self.callbacks:
             callback(state)
-        self.losses[step] = loss
-        self.spikes.update(loss)
-        step_time = time.perf_counter() - t0
-        self._window.append(loss)
-        self._window_time += step_time
-        if self._bar is not None:
-            self._bar.update(loss, lr, self.tokens_per_step / max(step_time, 1e-9))
+        self._account(state, time.perf_counter() - t0)
         if stop_requested:
             self.stopped = self._signals.received or "SIGTERM"
         elif state.stop:
             self.stopped = "callback"
         return state
+
+    def _account(self, state: StepState, step_time: float) -> None:
+        """Record the step's loss (losses, spike detector, logging window, progress bar)."""
+        self.losses[state.step] = state.loss
+        self.spikes.update(state.loss)
+        self._window.append(state.loss)
+        self._window_time += step_time
+        if self._bar is not None:
+            self._bar.update(state.loss, state.lr, self.tokens_per_step / max(step_time, 1e-9))
 
     @property
     def tokens_per_step(self) -> int:
@@ -721,11 +725,6 @@ class Trainer:
         next-token losses (see :func:`evaluate`). Collective under DDP/FSDP2.
         """
         batches = self.eval_list if self.eval_list is not None else self._build_eval_batches()
-        if not batches:
-            raise ValueError(
-                "the held-out split is too small for one evaluation batch; use more text "
-                "(data.sources) or lower eval_batch_size"
-            )
         return evaluate(
             self.model,
             batches,
@@ -818,7 +817,6 @@ class Trainer:
         )
         self._t_start = time.perf_counter()
         self._signals.install()
-        self.parallel_model.train()
         try:
             while self.step < self.config.steps and self.stopped is None:
                 state = self.train_step()
@@ -933,7 +931,15 @@ def evaluate(
 
     The mean is the model's own ``.loss`` weighted by rows. With ``return_token_losses`` the
     per-token losses are computed from ``.logits`` of the same forward passes.
+
+    Raises:
+        ValueError: ``batches`` is empty (the held-out split is too small).
     """
+    if not batches:
+        raise ValueError(
+            "the held-out split is too small for one evaluation batch; use more text "
+            "(data.sources) or lower eval_batch_size"
+        )
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, device=device, dtype=torch.float64)
