@@ -39,8 +39,8 @@ from torch import nn
 
 from diffattn.dex.adapter import DEX_CHILD
 from diffattn.dex.layer import DexHeads
-from diffattn.dex.selection import _eager_attention, _eval_mode
 from diffattn.dex.sites import find_attention
+from diffattn.probe import AttentionMaps, HeadOutputs, Probe, eval_mode
 
 
 def _dex_output(
@@ -213,53 +213,34 @@ def head_tensors(
     head: int,
     attention_mask: torch.Tensor | None = None,
 ) -> HeadTensors:
-    """Run ``model`` once and capture A, V, W_D, λ and the outputs of ``head`` in ``layer``."""
+    """Run ``model`` once and capture A, V, W_D, λ and the outputs of ``head`` in ``layer``,
+    through the capture probe (the layer's softmax map, its V, and the ``o_proj`` input before
+    and after Dex)."""
     sites = find_attention(model)
     if not 0 <= layer < len(sites):
         raise ValueError(f"layer {layer} does not exist: the model has {len(sites)} layers")
     site = sites[layer]
     if not 0 <= head < site.n_heads:
         raise ValueError(f"layer {layer}: head {head} out of range; it has {site.n_heads} heads")
-    d = site.head_dim
     group = head // (site.n_heads // site.n_kv_heads)
-    captured: dict[str, torch.Tensor] = {}
-
-    def grab_values(module, args, out):
-        captured["values"] = out.reshape(*out.shape[:-1], site.n_kv_heads, d)[..., group, :]
-
-    def grab(key):
-        def hook(module, args, kwargs):
-            x = args[0] if args else kwargs["input"]
-            captured[key] = x.reshape(*x.shape[:-1], site.n_heads, d)[..., head, :]
-
-        return hook
-
-    handles = [
-        site.module.v_proj.register_forward_hook(grab_values),
-        site.o_proj.register_forward_pre_hook(grab("output"), prepend=True, with_kwargs=True),
-        site.o_proj.register_forward_pre_hook(grab("dex_output"), with_kwargs=True),
-    ]
-    try:
-        with _eval_mode(model), _eager_attention(model):
-            out = model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True)
-    finally:
-        for handle in handles:
-            handle.remove()
-    maps = getattr(out, "attentions", None)
-    if not maps or maps[layer] is None:
-        raise ValueError(f"{type(model).__name__} returned no attention maps")
+    maps = AttentionMaps(what=("probs", "values"), layers=[layer], heads=[head])
+    outputs = HeadOutputs(stages=("output", "dex_output"), layers=[layer], heads=[head])
+    with eval_mode(model), Probe(model, [maps, outputs]):
+        model(input_ids=input_ids, attention_mask=attention_mask)
+    attention = maps.result()[layer][-1]
+    heads = outputs.result()[layer][-1]
     dex = site.module._modules.get(DEX_CHILD)
     w_d, lam = None, 0.0
     if isinstance(dex, DexHeads) and head in dex.selected:
         w_d = dex.w_d[dex.selected.index(head)].detach()
         lam = float(dex.lam())
     return HeadTensors(
-        attn=maps[layer][:, head],
-        values=captured["values"],
+        attn=attention["probs.a"][:, 0],
+        values=attention["values"][:, group],
         w_d=w_d,
         lam=lam,
-        output=captured["output"],
-        dex_output=captured["dex_output"],
+        output=heads["output"][:, 0],
+        dex_output=heads["dex_output"][:, 0],
     )
 
 

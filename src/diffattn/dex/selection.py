@@ -17,7 +17,6 @@ selects every head, and an explicit ``{layer: [heads]}`` mapping any subset.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffattn.dex.sites import AttentionSite, find_attention
+from diffattn.probe import AttentionEntropy, HeadGates, Probe, eval_mode
 
 METHODS = ("importance", "entropy", "all", "explicit")
 DEFAULT_ORDER = {"importance": "low", "entropy": "high"}
@@ -208,16 +208,6 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module):
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
 def _sequence_losses(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None):
     """Mean next-token cross-entropy of each sequence, ``(B,)``; padding ignored."""
     targets = ids[:, 1:].clone()
@@ -234,95 +224,45 @@ def head_importance(model: nn.Module, batches: Any) -> torch.Tensor:
     """Michel et al. (2019) importance, ``(n_layers, n_heads)``: E_x |∂L(x)/∂ξ_h| (fp32).
 
     ``batches``: a ``(B, N)`` tensor, a ``{"input_ids", "attention_mask"}`` dict, or an
-    iterable of either. Model weights receive no gradients.
+    iterable of either. The gates ξ come from the capture probe's
+    :class:`~diffattn.probe.HeadGates`. Model weights receive no gradients.
     """
     sites = find_attention(model)
     _same_head_count(sites)
     device = _device(model)
     total = torch.zeros(len(sites), sites[0].n_heads, dtype=torch.float64)
     count = 0
-    gates: list[torch.Tensor] = []
-
-    def make_hook(site: AttentionSite):
-        def hook(module, args):
-            x = args[0]
-            gate = gates[site.index]
-            shaped = x.reshape(*x.shape[:-1], site.n_heads, site.head_dim)
-            scale = gate.to(x.dtype).view(gate.shape[0], *([1] * (x.dim() - 2)), site.n_heads, 1)
-            return ((shaped * scale).reshape(x.shape), *args[1:])
-
-        return hook
-
-    handles = [s.o_proj.register_forward_pre_hook(make_hook(s)) for s in sites]
-    try:
-        with _eval_mode(model), torch.enable_grad():
-            for ids, mask in _batches(batches):
-                ids = ids.to(device)
-                mask = mask.to(device) if mask is not None else None
-                gates[:] = [
-                    torch.ones(ids.shape[0], s.n_heads, device=device, requires_grad=True)
-                    for s in sites
-                ]
-                logits = model(input_ids=ids, attention_mask=mask).logits
-                loss = _sequence_losses(logits, ids, mask).sum()
-                grads = torch.autograd.grad(loss, gates)
-                total += torch.stack([g.abs().sum(0) for g in grads]).double().cpu()
-                count += ids.shape[0]
-    finally:
-        for handle in handles:
-            handle.remove()
+    gates = HeadGates()
+    with eval_mode(model), torch.enable_grad(), Probe(model, [gates]):
+        for ids, mask in _batches(batches):
+            ids = ids.to(device)
+            mask = mask.to(device) if mask is not None else None
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            loss = _sequence_losses(logits, ids, mask).sum()
+            grads = torch.autograd.grad(loss, gates.ordered())
+            total += torch.stack([g.abs().sum(0) for g in grads]).double().cpu()
+            count += ids.shape[0]
     return (total / count).float()
-
-
-@contextlib.contextmanager
-def _eager_attention(model: nn.Module):
-    """Hugging Face models return attention maps only with the eager implementation."""
-    config = getattr(model, "config", None)
-    current = getattr(config, "_attn_implementation", None)
-    switch = hasattr(model, "set_attn_implementation") and current not in (None, "eager")
-    if switch:
-        model.set_attn_implementation("eager")
-    try:
-        yield
-    finally:
-        if switch:
-            model.set_attn_implementation(current)
 
 
 @torch.no_grad()
 def attention_entropy(model: nn.Module, batches: Any) -> torch.Tensor:
     """Mean attention entropy (nats) of every head, ``(n_layers, n_heads)`` (fp32).
 
-    The rows of real query tokens are averaged over all calibration sequences. Hugging Face
-    models are switched to ``attn_implementation="eager"`` for the call (and back).
+    The rows of real query tokens are averaged over all calibration sequences; the maps are
+    streamed through the capture probe's :class:`~diffattn.probe.AttentionEntropy`, so no
+    layer's N×N maps are kept.
     """
     sites = find_attention(model)
     _same_head_count(sites)
     device = _device(model)
-    total = torch.zeros(len(sites), sites[0].n_heads, dtype=torch.float64)
-    rows = 0
-    with _eval_mode(model), _eager_attention(model):
+    entropy = AttentionEntropy()
+    with eval_mode(model), Probe(model, [entropy]):
         for ids, mask in _batches(batches):
             ids = ids.to(device)
             mask = mask.to(device) if mask is not None else None
-            out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
-            maps = getattr(out, "attentions", None)
-            if not maps or len(maps) != len(sites) or any(m is None for m in maps):
-                raise ValueError(
-                    f"{type(model).__name__} returned no attention maps for all "
-                    f"{len(sites)} layers with output_attentions=True"
-                )
-            valid = (
-                torch.ones(ids.shape, dtype=torch.bool, device=device)
-                if mask is None
-                else mask.bool()
-            )
-            for layer, probs in enumerate(maps):
-                entropy = -torch.special.xlogy(probs.double(), probs.double()).sum(-1)  # (B,H,N)
-                entropy = torch.where(valid[:, None, :], entropy, 0.0)
-                total[layer] += entropy.sum((0, 2)).cpu()
-            rows += int(valid.sum())
-    return (total / rows).float()
+            model(input_ids=ids, attention_mask=mask)
+    return entropy.result()
 
 
 def _same_head_count(sites: list[AttentionSite]) -> None:

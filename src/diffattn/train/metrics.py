@@ -4,7 +4,8 @@ One JSON object per logged step in ``metrics.jsonl`` (fields in ``docs/training.
 records ``lambda``: per layer the scalar λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init of Eq.2
 (``DiffAttentionV1.lambda_full``). DIFF V2 records ``lambda_mean``: per layer the mean over
 tokens and heads of the λ the layer applied (sigmoid(x·W_λ) in the V2 blog's formula), caught
-by a forward hook on ``lambda_proj`` during the training forwards of the step.
+by the capture probe (a forward hook on ``lambda_proj``) during the training forwards of the
+step.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ from typing import Any
 
 import torch
 
-from diffattn.attention.diff_v1 import DiffAttentionV1
-from diffattn.attention.diff_v2 import DiffAttentionV2
-from diffattn.model import DiffTransformerLM
+from diffattn.probe import Lambda, Probe
 from diffattn.train import distributed
 
 METRICS_NAME = "metrics.jsonl"
@@ -40,22 +39,19 @@ def _plain(value: Any) -> float:
 
 
 class LambdaProbe:
-    """Per-layer λ of a DIFF V1 or V2 model (nothing for the baseline)."""
+    """Per-layer λ of a DIFF V1 or V2 model (nothing for softmax models), for the metrics.
 
-    def __init__(self, model: DiffTransformerLM) -> None:
-        self.v1 = [b.attn for b in model.layers if isinstance(b.attn, DiffAttentionV1)]
-        self.v2 = [
-            b.attn
-            for b in model.layers
-            if isinstance(b.attn, DiffAttentionV2) and b.attn.lambda_proj is not None
-        ]
-        self.capturing = False
-        self._sums: list[torch.Tensor | float] = [0.0] * len(self.v2)
-        self._counts = [0] * len(self.v2)
-        self._handles = [
-            attn.lambda_proj.register_forward_hook(self._make_hook(i))
-            for i, attn in enumerate(self.v2)
-        ]
+    Built on the capture probe's :class:`~diffattn.probe.Lambda`: V1 reads Eq.2's λ from the
+    parameters; V2 averages the token λ of the forwards run inside :meth:`capture`.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.lam = Lambda()
+        self.lam.enabled = False
+        self._probe = Probe(model, [self.lam]).__enter__()
+        kinds = {view.kind for view in self._probe.layers}
+        self.v1 = bool(kinds & {"diff_v1", "diffllama"})
+        self.v2 = bool(self.lam.v2_layers())
 
     @property
     def key(self) -> str | None:
@@ -65,40 +61,32 @@ class LambdaProbe:
             return "lambda_mean"
         return None
 
-    def _make_hook(self, index: int):
-        sigmoid = self.v2[index].config.v2_lambda_sigmoid
-
-        def hook(module, inputs, output):
-            if self.capturing:
-                lam = output.detach().float()
-                if sigmoid:
-                    lam = torch.sigmoid(lam)
-                self._sums[index] = self._sums[index] + lam.sum()
-                self._counts[index] += lam.numel()
-
-        return hook
-
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
         """Record V2's λ during the forwards inside this block (not in recomputation)."""
-        self.capturing = True
+        self.lam.enabled = True
         try:
             yield
         finally:
-            self.capturing = False
+            self.lam.enabled = False
 
     def collect(self, device: torch.device) -> dict[str, list[float]]:
         """The per-layer values since the last call, averaged over ranks. Collective."""
         if self.v1:
-            with torch.no_grad():
-                return {"lambda": [_plain(attn.lambda_full()) for attn in self.v1]}
+            return {"lambda": [_plain(v) for v in self.lam.scalar_lambdas()]}
         if self.v2:
-            sums = torch.tensor([float(s) for s in self._sums], device=device, dtype=torch.float64)
-            counts = torch.tensor(self._counts, device=device, dtype=torch.float64)
+            layers = self.lam.v2_layers()
+            sums = torch.tensor(
+                [float(self.lam.sums.get(i, 0.0)) for i in layers],
+                device=device,
+                dtype=torch.float64,
+            )
+            counts = torch.tensor(
+                [self.lam.counts.get(i, 0) for i in layers], device=device, dtype=torch.float64
+            )
             distributed.all_reduce_sum(sums)
             distributed.all_reduce_sum(counts)
-            self._sums = [0.0] * len(self.v2)
-            self._counts = [0] * len(self.v2)
+            self.lam.reset()
             means = (sums / counts.clamp_min(1)).tolist()
             return {
                 "lambda_mean": [
@@ -108,9 +96,7 @@ class LambdaProbe:
         return {}
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._probe.__exit__(None, None, None)
 
 
 class SpikeDetector:
