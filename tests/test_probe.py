@@ -126,7 +126,7 @@ def test_logit_stats_match_the_full_logits():
     real = mask.bool()
     pooled = []
     for calls in maps.result().values():
-        for key, logits in calls[0].items():
+        for logits in calls[0].values():
             valid = torch.isfinite(logits) & real[:, None, :, None]
             pooled.append(logits[valid].abs())
     values = torch.sort(torch.cat(pooled), descending=True).values
