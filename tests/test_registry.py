@@ -106,3 +106,26 @@ def test_model_directory_with_a_saved_backend_still_loads(tmp_path):
     loaded = load_model(tmp_path / "m")
     ids = torch.randint(0, 61, (1, 7))
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["baseline", "diff_v1", "diff_v2"])
+def test_hf_attn_implementation_chooses_the_backend(attention):
+    from diffattn.hf import DiffAttnConfig, DiffAttnForCausalLM
+
+    model = _tiny(attention, backend="reference")
+    wrapper = DiffAttnForCausalLM.from_diffattn(model)
+    ids = torch.randint(0, 61, (1, 7))
+    wrapper(ids)
+    assert model.backend == "reference"  # a wrapped model keeps its backend
+    wrapper.set_attn_implementation("sdpa")
+    out = wrapper(ids, output_attentions=True)
+    assert model.backend == "sdpa"
+    wrapper.set_attn_implementation("eager")
+    wrapper(ids)
+    assert model.backend == "reference"
+    with pytest.raises(ValueError, match="not available for diffattn"):
+        wrapper.set_attn_implementation("flex_attention")
+    maps = out.attention_maps
+    assert len(maps) == 2 and (attention == "baseline") == (maps[0].a1 is None)
+    fresh = DiffAttnForCausalLM(DiffAttnConfig.from_model_config(model.config))
+    assert fresh.model.backend == "sdpa"  # HF's default implementation

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from diffattn.config import ModelConfig
+from diffattn.config import RUNTIME_FIELDS, ModelConfig
 from diffattn.fileio import CheckpointError, atomic_directory, read_json
 from diffattn.model import DiffTransformerLM
 
@@ -92,7 +92,8 @@ def config_from_json_dict(data: Mapping[str, Any], source: str = "config.json") 
             "To bring in a Hugging Face Llama or DiffLlama checkpoint, run "
             "`diffattn convert SRC_DIR OUT_DIR` first."
         )
-    fields = {k: v for k, v in data.items() if k not in _HF_CONFIG_KEYS}
+    # Earlier versions saved the run-time backend as if it were architecture; it is ignored.
+    fields = {k: v for k, v in data.items() if k not in _HF_CONFIG_KEYS | RUNTIME_FIELDS}
     if "tie_word_embeddings" in data and "tie_embeddings" not in fields:
         fields["tie_embeddings"] = bool(data["tie_word_embeddings"])
     try:

@@ -16,9 +16,14 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from diffattn.checkpoint import MODEL_TYPE
-from diffattn.config import ModelConfig
+from diffattn.config import RUNTIME_FIELDS, ModelConfig
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "extra")
+# The architecture; the backend is chosen with HF's attn_implementation instead.
+_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(ModelConfig)
+    if f.name != "extra" and f.name not in RUNTIME_FIELDS
+)
 
 
 class DiffAttnConfig(PretrainedConfig):
@@ -41,6 +46,8 @@ class DiffAttnConfig(PretrainedConfig):
         if "tie_word_embeddings" in kwargs and "tie_embeddings" not in fields:
             fields["tie_embeddings"] = bool(kwargs["tie_word_embeddings"])
         kwargs.pop("diffattn_version", None)
+        for name in RUNTIME_FIELDS:  # written by earlier versions; a run-time choice now
+            kwargs.pop(name, None)
         model_config = ModelConfig.from_dict(fields)  # validates; names bad keys and values
         for name in _FIELDS:
             setattr(self, name, getattr(model_config, name))

@@ -15,11 +15,16 @@ as two width-d heads (an exact reshape) and reassembles them on read. diffattn's
 Positions are derived from ``attention_mask`` (the running count of real tokens), as in
 :class:`~diffattn.model.DiffTransformerLM`; ``position_ids`` is accepted and ignored.
 ``output_attentions=True`` returns the differential maps (A1 − λA2 for DIFF V1/V2), i.e. the
-matrices that multiply V, not the raw softmax maps.
+matrices that multiply V, not the raw softmax maps; ``attention_maps`` holds A1, A2 and λ too.
+
+Attention backend: ``attn_implementation`` chooses diffattn's run-time backend: ``"eager"`` runs
+``reference``, ``"sdpa"`` runs ``sdpa`` and ``"flash_attention_2"`` runs ``flash`` (see
+:mod:`diffattn.attention.registry`). ``set_attn_implementation`` switches it on a built model.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,8 +32,32 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from diffattn.attention.common import AttentionMaps
+from diffattn.attention.registry import backend_for_hf
 from diffattn.hf.configuration import DiffAttnConfig
 from diffattn.model import DiffTransformerLM
+
+
+@dataclass
+class DiffAttnCausalLMOutput(CausalLMOutputWithPast):
+    """HF's ``CausalLMOutputWithPast`` plus ``attention_maps``: per layer an
+    :class:`~diffattn.attention.AttentionMaps` with the applied map, A1, A2 and λ (with
+    ``output_attentions``)."""
+
+    attention_maps: tuple[AttentionMaps, ...] | None = None
+
+
+def backend_for_implementation(attn_implementation: str | None) -> str:
+    """The diffattn backend that serves a Hugging Face ``attn_implementation`` name."""
+    if attn_implementation is None:
+        return "auto"
+    backend = backend_for_hf(attn_implementation)
+    if backend is None:
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r} is not available for diffattn models; "
+            "use 'eager' (the reference kernel), 'sdpa' or 'flash_attention_2'"
+        )
+    return backend
 
 
 class HFCacheAdapter:
@@ -68,6 +97,8 @@ class DiffAttnPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = False
+    _supports_sdpa = True
+    _supports_flash_attn = True
     _no_split_modules = ["DecoderBlock"]  # noqa: RUF012
     _skip_keys_device_placement = ["past_key_values"]  # noqa: RUF012
 
@@ -84,7 +115,23 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
     def __init__(self, config: DiffAttnConfig) -> None:
         super().__init__(config)
         self.model = DiffTransformerLM(config.to_model_config())
+        self._backend_source: str | None = None
+        self._sync_backend()
         self.post_init()
+
+    def _sync_backend(self) -> None:
+        """Follow ``config._attn_implementation`` when it changed since the last call."""
+        implementation = self.config._attn_implementation
+        if implementation != self._backend_source:
+            self.model.set_backend(backend_for_implementation(implementation))
+            self._backend_source = implementation
+
+    def set_attn_implementation(self, attn_implementation, *args: Any, **kwargs: Any) -> None:
+        """Switch the attention backend (``"eager"``, ``"sdpa"``, ``"flash_attention_2"``)."""
+        if isinstance(attn_implementation, str):
+            backend_for_implementation(attn_implementation)  # refuse unknown names first
+        super().set_attn_implementation(attn_implementation, *args, **kwargs)
+        self._sync_backend()
 
     @classmethod
     def from_diffattn(cls, model: DiffTransformerLM, **hf_kwargs: Any) -> DiffAttnForCausalLM:
@@ -93,6 +140,7 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
         with torch.device("meta"):
             wrapper = cls(config)
         wrapper.model = model
+        wrapper._backend_source = wrapper.config._attn_implementation  # keep model.backend
         return wrapper
 
     def create_masks_for_generate(self, attention_mask=None, **kwargs: Any) -> Any:
@@ -124,7 +172,7 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
         cache_position: torch.LongTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
+    ) -> DiffAttnCausalLMOutput:
         if inputs_embeds is not None:
             raise ValueError("DiffAttnForCausalLM takes input_ids; inputs_embeds is not supported")
         if input_ids is None:
@@ -139,6 +187,7 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             output_attentions = getattr(self.config, "output_attentions", False)
         if output_hidden_states is None:
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
+        self._sync_backend()
         cache = HFCacheAdapter(past_key_values) if past_key_values is not None else None
         out = self.model(
             input_ids,
@@ -153,13 +202,20 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             logits = logits[:, -logits_to_keep:]
         elif isinstance(logits_to_keep, torch.Tensor):
             logits = logits[:, logits_to_keep]
-        return CausalLMOutputWithPast(
+        return DiffAttnCausalLMOutput(
             loss=out.loss,
             logits=logits,
             past_key_values=past_key_values,
             hidden_states=out.hidden_states,
             attentions=out.attentions,
+            attention_maps=out.attention_maps,
         )
 
 
-__all__ = ["DiffAttnForCausalLM", "DiffAttnPreTrainedModel", "HFCacheAdapter"]
+__all__ = [
+    "DiffAttnCausalLMOutput",
+    "DiffAttnForCausalLM",
+    "DiffAttnPreTrainedModel",
+    "HFCacheAdapter",
+    "backend_for_implementation",
+]

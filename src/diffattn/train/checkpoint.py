@@ -42,7 +42,6 @@ FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 
 # ModelConfig fields that do not change the weights or the function; they may differ on resume.
-RESUME_FREE_MODEL_FIELDS = frozenset({"backend"})
 
 
 def checkpoint_name(step: int) -> str:
@@ -148,7 +147,7 @@ def model_config_differences(saved: ModelConfig, current: ModelConfig) -> list[s
     return [
         f"{name}: {a[name]!r} (checkpoint) vs {b[name]!r} (config)"
         for name in a
-        if name != "extra" and name not in RESUME_FREE_MODEL_FIELDS and a[name] != b.get(name)
+        if name != "extra" and a[name] != b.get(name)
     ]
 
 
