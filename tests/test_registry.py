@@ -113,6 +113,8 @@ def test_hf_attn_implementation_chooses_the_backend(attention):
     from diffattn.hf import DiffAttnConfig, DiffAttnForCausalLM
 
     model = _tiny(attention, backend="reference")
+    fresh = DiffAttnForCausalLM(DiffAttnConfig.from_model_config(model.config))
+    assert fresh.model.backend == "sdpa"  # HF's default implementation
     wrapper = DiffAttnForCausalLM.from_diffattn(model)
     ids = torch.randint(0, 61, (1, 7))
     wrapper(ids)
@@ -127,5 +129,3 @@ def test_hf_attn_implementation_chooses_the_backend(attention):
         wrapper.set_attn_implementation("flex_attention")
     maps = out.attention_maps
     assert len(maps) == 2 and (attention == "baseline") == (maps[0].a1 is None)
-    fresh = DiffAttnForCausalLM(DiffAttnConfig.from_model_config(model.config))
-    assert fresh.model.backend == "sdpa"  # HF's default implementation

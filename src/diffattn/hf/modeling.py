@@ -119,10 +119,10 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
         self._sync_backend()
         self.post_init()
 
-    def _sync_backend(self) -> None:
+    def _sync_backend(self, force: bool = False) -> None:
         """Follow ``config._attn_implementation`` when it changed since the last call."""
         implementation = self.config._attn_implementation
-        if implementation != self._backend_source:
+        if force or implementation != self._backend_source:
             self.model.set_backend(backend_for_implementation(implementation))
             self._backend_source = implementation
 
@@ -131,7 +131,7 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
         if isinstance(attn_implementation, str):
             backend_for_implementation(attn_implementation)  # refuse unknown names first
         super().set_attn_implementation(attn_implementation, *args, **kwargs)
-        self._sync_backend()
+        self._sync_backend(force=True)
 
     @classmethod
     def from_diffattn(cls, model: DiffTransformerLM, **hf_kwargs: Any) -> DiffAttnForCausalLM:
