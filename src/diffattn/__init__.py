@@ -4,8 +4,7 @@ from diffattn import presets
 from diffattn.config import ModelConfig, lambda_init_schedule
 from diffattn.hf.autoregister import install as _install_hf_registration
 from diffattn.model import CausalLMOutput, DiffTransformerLM, count_parameters
-
-__version__ = "0.1.0"
+from diffattn.version import __version__
 
 _install_hf_registration()  # AutoConfig / AutoModelForCausalLM know "diffattn"
 

@@ -73,7 +73,7 @@ _HF_CONFIG_KEYS = frozenset(
 # config.json
 def config_to_json_dict(config: ModelConfig) -> dict[str, Any]:
     """The ``config.json`` content for ``config`` (HF-compatible, see module docstring)."""
-    from diffattn import __version__
+    from diffattn.version import __version__
 
     data = {"model_type": MODEL_TYPE, "architectures": [ARCHITECTURE]}
     data.update(config.to_dict())

@@ -18,7 +18,8 @@ VERBS: tuple[tuple[str, str], ...] = (
 
 
 def _presets_command(args: argparse.Namespace) -> int:
-    from diffattn import count_parameters, presets
+    from diffattn import presets
+    from diffattn.model import count_parameters
 
     names = [args.name] if args.name else presets.names()
     header = f"{'preset':>7} {'baseline':>15} {'diff_v1':>15} {'diff_v2':>15} {'v2 matched':>15}"
@@ -34,8 +35,8 @@ def _presets_command(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from diffattn import __version__
     from diffattn.bench import throughput
+    from diffattn.version import __version__
 
     parser = argparse.ArgumentParser(
         prog="diffattn",

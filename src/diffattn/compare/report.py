@@ -37,7 +37,7 @@ class RunSummary:
 
 def summarise_run(attention: str, seed: int, config: Any, run_dir: Path, result: Any) -> RunSummary:
     """Collect the curves and final numbers of a run (also of one finished earlier)."""
-    from diffattn import count_parameters
+    from diffattn.model import count_parameters
     from diffattn.train import read_metrics
 
     records = read_metrics(run_dir)

@@ -78,7 +78,7 @@ class DiffAttnConfig(PretrainedConfig):
         data = super().to_diff_dict()
         for name in _FIELDS:  # always write every model field (see module docstring)
             data[name] = getattr(self, name)
-        from diffattn import __version__
+        from diffattn.version import __version__
 
         data["diffattn_version"] = __version__
         return data
