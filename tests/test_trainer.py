@@ -1,6 +1,7 @@
 """The :class:`Trainer`: step by step equals ``train()``, per-token validation losses,
 ``model_factory`` models under two-process DDP (a Hugging Face Llama) and FSDP2 (a factory
-DiffTransformerLM) equal to one process, and the layering of the train package."""
+DiffTransformerLM and a Hugging Face Llama) equal to one process, and the layering of the
+train package."""
 
 from __future__ import annotations
 
@@ -122,19 +123,43 @@ def test_factory_model_under_ddp_equals_one_process_and_resumes_alone(tmp_path, 
         assert abs(resumed.losses[step] - single.losses[step]) <= TOLERANCE
 
 
-def test_factory_model_under_fsdp2_equals_one_process(tmp_path, data_cache):
+@pytest.mark.parametrize(
+    "factory",
+    [tiny_diff_v1, tiny_llama],  # blocks in .layers; in .model.layers (Hugging Face)
+    ids=["diff_v1", "hf_llama"],
+)
+def test_factory_model_under_fsdp2_equals_one_process(tmp_path, data_cache, factory):
+    if factory is tiny_llama:
+        pytest.importorskip("transformers")
     recipe = tiny_recipe(data_cache, steps=3, eval_every=3, device="cpu")
     train(
         TrainConfig.from_dict(recipe),
         tmp_path / "single",
         progress=False,
-        model_factory=tiny_diff_v1,
+        model_factory=factory,
     )
-    _two_ranks({**recipe, "parallel": "fsdp"}, tmp_path / "fsdp", tiny_diff_v1)
+    _two_ranks({**recipe, "parallel": "fsdp"}, tmp_path / "fsdp", factory)
     _assert_same_records(tmp_path / "single", tmp_path / "fsdp")
     assert (
         tmp_path / "fsdp" / "checkpoints" / "step-00000003" / "model_state.safetensors"
     ).is_file()
+
+
+def test_decoder_blocks_of_diffattn_hf_and_peft_models():
+    from torch import nn
+
+    from diffattn.train.parallel import decoder_blocks
+
+    model = tiny_diff_v1()
+    assert decoder_blocks(model) is model.layers
+    with pytest.raises(ValueError, match=r"no nn\.ModuleList of decoder blocks"):
+        decoder_blocks(nn.Linear(2, 2))
+    pytest.importorskip("transformers")
+    llama = tiny_llama()
+    assert decoder_blocks(llama) is llama.model.layers
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(llama, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert decoder_blocks(wrapped) is wrapped.base_model.model.model.layers
 
 
 # ----------------------------------------------------------------------------------------

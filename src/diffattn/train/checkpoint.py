@@ -14,7 +14,7 @@ A checkpoint directory is also a diffattn model directory (``config.json`` +
 Atomicity: everything is written with :func:`diffattn.fileio.atomic_directory` into a hidden
 temporary sibling (``.step-XXXXXXXX.tmp-*``), flushed to disk, and renamed into place, so a
 crash (even ``kill -9``) leaves either the complete checkpoint or none; leftovers are removed
-at the next start (:func:`remove_partial`).
+at the next start (:func:`diffattn.fileio.remove_partial_writes`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import os
 import random
 import re
 import shutil
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -83,12 +82,6 @@ def prune(root: str | os.PathLike, keep_last: int | None) -> list[Path]:
     return doomed
 
 
-def atomic_checkpoint_dir(final: Path) -> AbstractContextManager[Path]:
-    """A temporary sibling of ``final`` that replaces ``final`` (if any) once complete:
-    :func:`diffattn.fileio.atomic_directory` with ``overwrite=True``."""
-    return atomic_directory(final, overwrite=True)
-
-
 def save_checkpoint(
     root: str | os.PathLike,
     step: int,
@@ -108,7 +101,7 @@ def save_checkpoint(
     with torch.device("meta"):
         skeleton = DiffTransformerLM(model_config)
     skeleton.load_state_dict(model_state, strict=True, assign=True)
-    with atomic_checkpoint_dir(final) as tmp:
+    with atomic_directory(final, overwrite=True) as tmp:
         write_model_files(skeleton, tmp)
         state = {"format": FORMAT_VERSION, **trainer_state}
         torch.save(to_safe(state), tmp / TRAINER_STATE_NAME)

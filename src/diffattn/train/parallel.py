@@ -6,12 +6,12 @@ checkpointing and ``torch.compile`` and then :func:`parallelize`:
 * ``none`` / ``ddp``: the model is built on CPU with the run's seed (so the initial weights do
   not depend on device or launch), moved to the device, and wrapped in
   ``DistributedDataParallel`` for ``ddp``.
-* ``fsdp``: the model is built on the meta device, each block is sharded with
-  ``fully_shard`` and then the root, the shards are allocated with ``to_empty``, and
-  ``init_weights()`` fills parameters *and* buffers (RoPE). With ``fsdp_init: rank0`` rank 0
-  also builds the full model on CPU with the seed and broadcasts it, so the initial weights
-  equal a single-process run's; with ``sharded`` no full copy is made. The optimizer is built
-  only after this.
+* ``fsdp``: the model is built on the meta device, each block (:func:`decoder_blocks`) is
+  sharded with ``fully_shard`` and then the root, the shards are allocated with
+  ``to_empty``, and ``init_weights()`` fills parameters *and* buffers (RoPE). With
+  ``fsdp_init: rank0`` rank 0 also builds the full model on CPU with the seed and broadcasts
+  it, so the initial weights equal a single-process run's; with ``sharded`` no full copy is
+  made. The optimizer is built only after this.
 
 State dicts are exchanged in the full, unsharded form keyed by parameter names
 (``torch.distributed.checkpoint.state_dict``), so a checkpoint is independent of the launch: a
@@ -33,18 +33,30 @@ from diffattn.model import DiffTransformerLM
 from diffattn.train import distributed
 
 
-def unwrap(model: nn.Module) -> DiffTransformerLM:
-    """The :class:`DiffTransformerLM` inside a DDP wrapper (FSDP2 shards in place)."""
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper, or ``model`` itself (FSDP2 shards in place)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(model, DistributedDataParallel):
-        model = model.module
-    if not isinstance(model, DiffTransformerLM):
-        raise TypeError(f"expected a DiffTransformerLM, got {type(model).__name__}")
-    return model
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def apply_activation_checkpointing(model: DiffTransformerLM) -> None:
+def decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of ``model``: its first non-empty ``nn.ModuleList`` in module order
+    (``model.layers`` of a :class:`DiffTransformerLM`, ``model.model.layers`` of a Hugging
+    Face ``*ForCausalLM``, ``base_model.model.model.layers`` of a PEFT model).
+
+    Raises:
+        ValueError: ``model`` holds no such list.
+    """
+    for module in unwrap(model).modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            return module
+    raise ValueError(
+        f"{type(model).__name__} has no nn.ModuleList of decoder blocks (such as model.layers)"
+    )
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder block in backward (``torch.utils.checkpoint``, non-reentrant).
 
     The block's ``forward`` is wrapped on the instance, so parameter names (and so checkpoints)
@@ -52,7 +64,7 @@ def apply_activation_checkpointing(model: DiffTransformerLM) -> None:
     """
     from torch.utils.checkpoint import checkpoint
 
-    for block in model.layers:
+    for block in decoder_blocks(model):
         inner = block.forward
 
         def forward(*args: Any, _inner=inner, **kwargs: Any):
@@ -61,19 +73,18 @@ def apply_activation_checkpointing(model: DiffTransformerLM) -> None:
         block.forward = forward
 
 
-def apply_compile(model: DiffTransformerLM) -> None:
+def apply_compile(model: nn.Module) -> None:
     """``torch.compile`` each decoder block in place (names unchanged)."""
-    for block in model.layers:
+    for block in decoder_blocks(model):
         block.compile()
 
 
-def parallelize(
-    model: DiffTransformerLM, mode: str, device: torch.device | None = None
-) -> nn.Module:
+def parallelize(model: nn.Module, mode: str, device: torch.device | None = None) -> nn.Module:
     """Wrap ``model`` for data parallelism: ``none``, ``ddp`` or ``fsdp`` (FSDP2).
 
-    ``ddp`` expects the model on ``device``; ``fsdp`` shards each block and then the root
-    (the model may still be on the meta device; see :func:`build_model`).
+    ``ddp`` expects the model on ``device``; ``fsdp`` shards each block of
+    :func:`decoder_blocks` and then the root (the model may still be on the meta device; see
+    :func:`build_model`).
     """
     if mode == "none":
         return model
@@ -88,7 +99,7 @@ def parallelize(
 
         device_type = device.type if device is not None else "cpu"
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
-        for block in model.layers:
+        for block in decoder_blocks(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model

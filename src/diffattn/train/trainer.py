@@ -26,7 +26,8 @@ resumed run repeats the losses of an uninterrupted one on CPU.
 
 Any model: ``train(config, out, model_factory=make)`` trains the ``nn.Module`` that ``make()``
 returns instead of the preset of ``config.model``, through the same path: one process, DDP or
-FSDP2 (FSDP2 shards the blocks of ``model.layers``). Its ``forward(input_ids,
+FSDP2 (FSDP2 shards the decoder blocks: the first ``nn.ModuleList`` of the model, e.g.
+``model.layers`` or a Hugging Face model's ``model.model.layers``). Its ``forward(input_ids,
 labels=input_ids)`` must return an object with ``.loss`` (a :class:`~diffattn.DiffTransformerLM`
 and Hugging Face causal LMs both shift the labels inside; per-token validation losses also
 need ``.logits``). Only parameters with ``requires_grad`` reach the optimizer, so a partly
@@ -55,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffattn import fileio
 from diffattn.config import ModelConfig
 from diffattn.model import DiffTransformerLM
 from diffattn.train import checkpoint as ckpt
@@ -64,12 +66,14 @@ from diffattn.train.metrics import LambdaProbe, MetricsLogger, Progress, SpikeDe
 from diffattn.train.optim import LRSchedule, build_optimizer
 from diffattn.train.parallel import (
     build_model,
+    decoder_blocks,
     full_model_state,
     full_optimizer_state,
     gradient_sync,
     load_full_model_state,
     load_full_optimizer_state,
     parallelize,
+    unwrap,
 )
 
 CONFIG_COPY_NAME = "config.yaml"
@@ -452,7 +456,7 @@ class Trainer:
             self.parallel_model = self._build_preset_model()
         else:
             self.parallel_model = self._build_factory_model()
-        self.model = _unwrap(self.parallel_model)
+        self.model = unwrap(self.parallel_model)
         if self.model_factory is not None:
             own = getattr(self.model, "config", None)
             self.model_config = own if isinstance(own, ModelConfig) else None
@@ -481,12 +485,11 @@ class Trainer:
         wrapper broadcasts rank 0's weights, or broadcast into the FSDP2 shards."""
         mode, found = self.config.parallel, self.checkpoint_found
         model = _factory_model(self.model_factory, self.vocab)
-        if mode == "fsdp" and not isinstance(getattr(model, "layers", None), nn.ModuleList):
-            raise ConfigError(
-                "parallel",
-                f"fsdp shards the blocks of model.layers, which {type(model).__name__} does "
-                "not have; use parallel: ddp",
-            )
+        if mode == "fsdp":
+            try:
+                decoder_blocks(model)
+            except ValueError as error:
+                raise ConfigError("parallel", f"fsdp shards decoder blocks: {error}") from None
         state = _read_factory_state(found) if (found and self.main) else None
         if state is not None and mode != "fsdp":
             _load_factory_state(model, state, found)
@@ -570,7 +573,7 @@ class Trainer:
         self.tokenizer_dir = None
         if self.main:
             out.mkdir(parents=True, exist_ok=True)
-            ckpt.remove_partial(self.checkpoint_root)
+            fileio.remove_partial_writes(self.checkpoint_root)
             (out / CONFIG_COPY_NAME).write_text(dump_config(config), encoding="utf-8")
             self.tokenizer_dir = _save_tokenizer_once(self.data.tokenizer, out / TOKENIZER_DIRNAME)
         self.logger = MetricsLogger(
@@ -969,13 +972,6 @@ def next_token_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tenso
 
 # ----------------------------------------------------------------------------------------
 # helpers
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module inside a DDP wrapper (FSDP2 shards in place)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
 def _factory_model(factory: Callable[[], nn.Module], vocab: int) -> nn.Module:
     """Build a ``model_factory`` model and check that it embeds every token."""
     model = factory()
@@ -1022,13 +1018,12 @@ def _save_factory_checkpoint(
     persistent buffers, tied tensors stored once per name) as safetensors, the trainer state,
     the config and the tokenizer files, written atomically like the preset runs'."""
     import json
-    import shutil
 
     from safetensors.torch import save_file
 
     final = root / ckpt.checkpoint_name(step)
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model_state.items()}
-    with ckpt.atomic_checkpoint_dir(final) as tmp:
+    with fileio.atomic_directory(final, overwrite=True) as tmp:
         save_file(state, str(tmp / FACTORY_STATE_NAME))
         marker = {"model_class": model_class, "step": step, "tensors": len(state)}
         (tmp / FACTORY_MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
@@ -1038,9 +1033,7 @@ def _save_factory_checkpoint(
         )
         (tmp / ckpt.CONFIG_YAML_NAME).write_text(config_yaml, encoding="utf-8")
         if tokenizer_dir is not None:
-            for file in sorted(Path(tokenizer_dir).iterdir()):
-                if file.is_file() and not (tmp / file.name).exists():
-                    shutil.copy2(file, tmp / file.name)
+            fileio.copy_tokenizer_files(tokenizer_dir, tmp)
     ckpt.prune(root, keep_last)
     return final
 
@@ -1064,7 +1057,7 @@ def _save_tokenizer_once(tokenizer: Any, directory: Path) -> Path | None:
         return directory
     if not hasattr(tokenizer, "save"):
         return None
-    with ckpt.atomic_checkpoint_dir(directory) as tmp:
+    with fileio.atomic_directory(directory, overwrite=True) as tmp:
         tokenizer.save(tmp)
     return directory
 
