@@ -12,8 +12,9 @@ Cache layout::
     CACHE/shards/KEY/tokenizer/          the tokenizer (HF files) for HF/BPE tokenizers
     CACHE/shards/KEY/{train,valid}/      shard sets (manifest.json, shard-NNNNN.{bin,json})
 
-A preparation is built in a temporary sibling directory and renamed into place when complete,
-so an interrupted run leaves no half-written cache entry and concurrent runs do not clash.
+A preparation is built in a temporary sibling directory and renamed into place when complete
+(:func:`diffattn.fileio.atomic_directory`), so an interrupted run leaves no half-written cache
+entry and concurrent runs do not clash.
 Under ``torchrun`` prepare on rank 0 first, then barrier, then call it on every rank (a cache
 hit).
 """
@@ -24,8 +25,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -56,6 +55,7 @@ from diffattn.data.tokenizers import (
     parse_tokenizer_spec,
     tokenizer_fingerprint,
 )
+from diffattn.fileio import atomic_directory, read_json
 
 PREPARED = "prepared.json"
 PREPARED_FORMAT = "diffattn-prepared-data"
@@ -267,7 +267,7 @@ def _build_tokenizer(config: DataConfig, source_fingerprint: str, progress: bool
 
 
 def _open_prepared(config: DataConfig, directory: Path, tokenizer: Tokenizer) -> PreparedData:
-    record = json.loads((directory / PREPARED).read_text(encoding="utf-8"))
+    record = read_json(directory / PREPARED)
     try:
         train = ShardSet.open(directory / "train")
         valid = ShardSet.open(directory / "valid")
@@ -326,9 +326,9 @@ def prepare_data(
     if (directory / PREPARED).is_file():
         return _open_prepared(config, directory, tokenizer)
 
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
-    try:
+    # written whole or not at all; a directory written meanwhile by another process (the
+    # same data: the name is a hash of everything that determines it) is replaced
+    with atomic_directory(directory, overwrite=True) as tmp:
         source_stats = SourceStats()
         result = write_token_shards(
             _documents(config, source_stats),
@@ -382,14 +382,6 @@ def prepare_data(
             "stats": stats.to_dict(),
         }
         (tmp / PREPARED).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        try:
-            os.replace(tmp, directory)
-        except OSError:
-            if not (directory / PREPARED).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     prepared = _open_prepared(config, directory, tokenizer)
     prepared.cached = False
     return prepared
@@ -401,5 +393,4 @@ def load_prepared_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
     saved = directory / "tokenizer"
     if saved.is_dir():
         return load_hf_tokenizer(saved)
-    record = json.loads((directory / PREPARED).read_text(encoding="utf-8"))
-    return load_tokenizer(record["config"]["tokenizer"])
+    return load_tokenizer(read_json(directory / PREPARED)["config"]["tokenizer"])

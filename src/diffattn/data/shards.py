@@ -40,6 +40,7 @@ from typing import Any, Literal
 import numpy as np
 
 from diffattn.data.tokenizers import Tokenizer, encode_batch
+from diffattn.fileio import CheckpointError, read_json
 
 MAGIC = b"DIFFTOKS"
 FORMAT_VERSION = 1
@@ -339,9 +340,9 @@ class Shard:
         meta: dict[str, Any] = {}
         if sidecar.is_file():
             try:
-                meta = json.loads(sidecar.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as error:
-                raise _corrupt(path, f"sidecar {sidecar.name} is not valid JSON") from error
+                meta = read_json(sidecar)
+            except CheckpointError as error:
+                raise _corrupt(path, f"sidecar {error}") from error
             for key, value in (("tokens", n_tokens), ("documents", n_docs), ("bytes", size)):
                 if meta.get(key) != value:
                     raise _corrupt(
@@ -421,10 +422,7 @@ class ShardSet:
                 if directory.is_file():
                     return cls.open([directory], verify=verify)
                 raise ValueError(f"{directory}: no {MANIFEST}; not a token shard set")
-            try:
-                manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{manifest_path}: not valid JSON ({error.msg})") from None
+            manifest = read_json(manifest_path)
             if manifest.get("format") != SET_FORMAT or manifest.get("version") != FORMAT_VERSION:
                 raise ValueError(
                     f"{manifest_path}: not a version-{FORMAT_VERSION} {SET_FORMAT} manifest"

@@ -23,13 +23,13 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+from diffattn.fileio import atomic_directory, read_json
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FORMS = (
@@ -121,26 +121,6 @@ def parse_tokenizer_spec(spec: object) -> TokenizerSpec:
 # --------------------------------------------------------------------------------------------
 # HF tokenizers
 # --------------------------------------------------------------------------------------------
-def _write_atomically(directory: Path, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp)`` into a temporary sibling of ``directory`` and rename it into place.
-
-    When ``directory`` already exists (another process won the race), it is kept as is.
-    """
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
-        write(tmp)
-        try:
-            os.replace(tmp, directory)
-        except OSError:
-            if not directory.is_dir():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return directory
-
-
 def _token_content(value: Any) -> str | None:
     if isinstance(value, str):
         return value
@@ -231,11 +211,7 @@ class HFTokenizer:
 
 def _eos_from_config(config_path: Path, tokenizer: Any) -> str | None:
     if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{config_path}: not valid JSON ({error.msg})") from None
-        eos = _token_content(config.get("eos_token"))
+        eos = _token_content(read_json(config_path).get("eos_token"))
         if eos is not None:
             return eos
     for candidate in _EOS_CANDIDATES:
@@ -389,12 +365,12 @@ def train_bpe(
         raise ValueError("cannot train a BPE tokenizer on an empty corpus (no documents)")
     tokenizer = HFTokenizer(model, eos_token=EOS_TOKEN, name=name)
 
-    def write(tmp: Path) -> None:
+    # written whole or not at all; a directory written meanwhile by another process (the
+    # same tokenizer: the name holds the corpus fingerprint) is replaced
+    with atomic_directory(target, overwrite=True) as tmp:
         tokenizer.save(tmp)
         meta = {"corpus_fingerprint": fingerprint, "documents": count, **settings}
         (tmp / "diffattn_bpe.json").write_text(json.dumps(meta, indent=2) + "\n", "utf-8")
-
-    _write_atomically(target, write)
     return tokenizer
 
 
