@@ -20,9 +20,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import torch
 from torch import nn
 
 from diffattn.dex import train as dex_train
+from diffattn.loading import ModelSource, load_model, resolve_source
 
 METHODS = ("dex", "lora8", "lora32", "ft")
 LABELS = {
@@ -35,7 +37,7 @@ LABELS = {
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-def lora_factory(source: dex_train.ModelSource, rank: int) -> Callable[[], nn.Module]:
+def lora_factory(source: ModelSource, rank: int) -> Callable[[], nn.Module]:
     """A ``model_factory`` wrapping the pretrained model with PEFT LoRA on q/k/v/o."""
 
     def make() -> nn.Module:
@@ -46,14 +48,14 @@ def lora_factory(source: dex_train.ModelSource, rank: int) -> Callable[[], nn.Mo
         config = LoraConfig(
             r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_TARGETS
         )
-        return get_peft_model(dex_train.load_pretrained(source), config)
+        return get_peft_model(load_model(source, dtype=torch.float32).train(), config)
 
     return make
 
 
-def full_factory(source: dex_train.ModelSource) -> Callable[[], nn.Module]:
+def full_factory(source: ModelSource) -> Callable[[], nn.Module]:
     def make() -> nn.Module:
-        model = dex_train.load_pretrained(source)
+        model = load_model(source, dtype=torch.float32).train()
         for param in model.parameters():
             param.requires_grad_(True)
         return model
@@ -93,8 +95,8 @@ def compare_methods(
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty; choose another --out")
-    source = dex_train.resolve_source(model)
-    pretrained = dex_train.load_pretrained(source)
+    source = resolve_source(model)
+    pretrained = load_model(source, dtype=torch.float32).train()
     dex_train.check_supported(pretrained, source)
     config = dex_train.base_config(source, steps, overrides)
     data = dex_train.prepare(config, progress=progress)
@@ -105,7 +107,7 @@ def compare_methods(
     anneal = max(1, steps // 2)
 
     def dex_make() -> nn.Module:
-        return apply(dex_train.load_pretrained(source), heads, anneal_steps=anneal)
+        return apply(load_model(source, dtype=torch.float32).train(), heads, anneal_steps=anneal)
 
     factories = {
         "dex": (dex_make, dex_train.DEX_LR),

