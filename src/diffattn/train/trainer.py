@@ -66,7 +66,6 @@ from diffattn.train.metrics import LambdaProbe, MetricsLogger, Progress, SpikeDe
 from diffattn.train.optim import LRSchedule, build_optimizer
 from diffattn.train.parallel import (
     build_model,
-    decoder_blocks,
     full_model_state,
     full_optimizer_state,
     gradient_sync,
@@ -485,15 +484,16 @@ class Trainer:
         wrapper broadcasts rank 0's weights, or broadcast into the FSDP2 shards."""
         mode, found = self.config.parallel, self.checkpoint_found
         model = _factory_model(self.model_factory, self.vocab)
-        if mode == "fsdp":
-            try:
-                decoder_blocks(model)
-            except ValueError as error:
-                raise ConfigError("parallel", f"fsdp shards decoder blocks: {error}") from None
         state = _read_factory_state(found) if (found and self.main) else None
         if state is not None and mode != "fsdp":
             _load_factory_state(model, state, found)
-        wrapped = parallelize(model.to(self.device), mode, self.device)
+        try:
+            wrapped = parallelize(model.to(self.device), mode, self.device)
+        except ValueError as error:  # FSDP2: no decoder blocks, or a parameter it cannot shard
+            what, reason = type(model).__name__, str(error).rstrip(".")
+            raise ConfigError(
+                "parallel", f"{mode} cannot wrap {what}: {reason}; use parallel: ddp"
+            ) from None
         if found is not None and mode == "fsdp":
             load_full_model_state(wrapped, state)
         return wrapped
