@@ -13,7 +13,6 @@ from diffattn.fileio import (
     read_json,
     remove_partial_writes,
 )
-from diffattn.train.checkpoint import remove_partial
 
 
 def write_old(parent):
@@ -47,7 +46,7 @@ def test_start_up_clean_up_removes_every_temp_name_the_writer_uses(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(b"x" * 1024)
     (tmp_path / ".step-00000030.tmp-file").write_bytes(b"partial file")
-    removed = remove_partial(tmp_path)
+    removed = remove_partial_writes(tmp_path)
     assert sorted(p.name for p in removed) == sorted([*leftovers, ".step-00000030.tmp-file"])
     assert [p.name for p in tmp_path.iterdir()] == [old.name]
     assert (old / "model.safetensors").read_bytes() == b"old weights"

@@ -23,6 +23,8 @@ This module is the core half of :mod:`diffattn.probe`, which builds captures on 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -181,6 +183,29 @@ def _emit(call: ObservedCall, start: int, n: int, logits, probs, applied, lam, a
     )
     for observer in call.observers:
         observer.on_attention(event)
+    release_freed_memory()
+
+
+def _trim_function():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _trim_function() if sys.platform.startswith("linux") else None
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Each observed block allocates and frees tensors of tens of MB. glibc raises its mmap
+    threshold after such frees and then serves them from the heap, which it does not shrink, so
+    without this the resident size climbs block after block (to 1.6 GB instead of 0.5 GB for a
+    4-layer model at 4,096 tokens) although the live memory stays one block's worth.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _blocks(call: ObservedCall, q, k, v) -> Iterator[tuple[int, _Block]]:

@@ -184,7 +184,6 @@ class LogitStats(Capture):
         super().__init__(**kw)
         self.top_k = top_k
         self.per_layer: dict[int, RunningStats] = {}
-        self.pooled = RunningStats(top_k=top_k)
 
     def needs_attention(self, layer: int) -> bool:
         return self.wants_layer(layer)
@@ -196,13 +195,12 @@ class LogitStats(Capture):
             logits = logits.detach()
             if self.heads is not None:
                 logits = logits[:, self.heads]
-            values = logits[valid.expand_as(logits)]
-            stats.update(values)
-            self.pooled.update(values)
+            stats.update(logits, valid)
 
     def result(self) -> dict[str, Any]:
+        pooled = RunningStats.merged(list(self.per_layer.values()), self.top_k)
         return {
-            "all": self.pooled.summary(),
+            "all": pooled.summary(),
             "layers": {layer: s.summary() for layer, s in sorted(self.per_layer.items())},
         }
 
@@ -320,23 +318,23 @@ class HiddenStats(HiddenStates):
         super().__init__(**kw)
         self.top_k = top_k
         self.per_layer: dict[int, RunningStats] = {}
-        self.pooled = RunningStats(top_k=top_k)
 
     def _hook(self, layer: int):
         def hook(module, args, output):
             h = _output_tensor(output).detach()
             mask = self.probe.inputs.get("attention_mask")
+            valid = None
             if mask is not None and mask.dim() == 2:
-                h = h[mask[:, -h.shape[1] :].bool().to(h.device)]
+                valid = mask[:, -h.shape[1] :].bool().to(h.device)[..., None]
             stats = self.per_layer.setdefault(layer, RunningStats(top_k=self.top_k))
-            stats.update(h)
-            self.pooled.update(h)
+            stats.update(h, valid)
 
         return hook
 
     def result(self) -> dict[str, Any]:
+        pooled = RunningStats.merged(list(self.per_layer.values()), self.top_k)
         return {
-            "all": self.pooled.summary(),
+            "all": pooled.summary(),
             "layers": {layer: s.summary() for layer, s in sorted(self.per_layer.items())},
         }
 

@@ -161,7 +161,7 @@ class Probe:
             layer is about ``block_rows × keys × heads × 4 bytes`` per map.
     """
 
-    def __init__(self, model: nn.Module, captures: Sequence[Capture], block_rows: int = 256):
+    def __init__(self, model: nn.Module, captures: Sequence[Capture], block_rows: int = 128):
         self.model = model
         self.view: ModelView = view(model)
         self.captures = list(captures)

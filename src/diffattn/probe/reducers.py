@@ -36,28 +36,52 @@ class RunningStats:
     top: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.float64))
     histogram: torch.Tensor | None = None
 
-    def update(self, values: torch.Tensor) -> None:
-        """Add the absolute values of ``values`` (any shape; pass only the valid entries)."""
-        flat = values.detach().reshape(-1).abs().float()
-        if flat.numel() == 0:
+    def update(self, values: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Add ``|values|`` (any shape). ``valid``, a bool mask broadcastable to ``values``,
+        keeps only the entries it marks (without gathering them into a copy)."""
+        flat = values.detach().float().abs()  # one copy, reused in place below
+        n_invalid = 0
+        if valid is not None:
+            repeats = flat.numel() // valid.numel()  # valid is broadcast by repetition
+            n_invalid = flat.numel() - int(valid.sum()) * repeats
+            flat.masked_fill_(~valid.expand_as(flat), 0.0)  # zeros change no sum, max or top
+        flat = flat.reshape(-1)
+        if flat.numel() == n_invalid:
             return
-        self.count += flat.numel()
-        self.total += float(flat.double().sum())
-        self.total_sq += float(flat.double().square().sum())
+        self.count += flat.numel() - n_invalid
+        self.total += float(flat.sum(dtype=torch.float64))
+        self.total_sq += float(torch.linalg.vector_norm(flat, dtype=torch.float64)) ** 2
         self.maximum = max(self.maximum, float(flat.max()))
-        k = min(self.top_k, flat.numel())
+        candidates = flat
+        if self.top.numel() == self.top_k:  # only values above the current k-th can enter
+            candidates = flat[flat > float(self.top[-1])]
+        k = min(self.top_k, candidates.numel())
         if k > 0:
-            best = torch.topk(flat, k).values.double().cpu()
+            best = torch.topk(candidates, k, sorted=False).values.double().cpu()
             merged = torch.cat([self.top, best])
             self.top = torch.topk(merged, min(self.top_k, merged.numel())).values
-        index = self._bin(flat)
-        counts = torch.bincount(index, minlength=self.bins).cpu().double()
+        lo, hi = math.log(self.low), math.log(self.high)
+        flat.clamp_(self.low, self.high).log_()
+        counts = torch.histc(flat, bins=self.bins, min=lo, max=hi).cpu().double()
+        counts[0] -= n_invalid  # the masked entries were zeros, counted in the lowest bin
         self.histogram = counts if self.histogram is None else self.histogram + counts
 
-    def _bin(self, flat: torch.Tensor) -> torch.Tensor:
-        lo, hi = math.log(self.low), math.log(self.high)
-        position = (torch.log(flat.clamp_min(self.low)) - lo) / (hi - lo) * self.bins
-        return position.long().clamp(0, self.bins - 1)
+    @classmethod
+    def merged(cls, parts: list[RunningStats], top_k: int | None = None) -> RunningStats:
+        """One :class:`RunningStats` of everything the ``parts`` saw (same bins)."""
+        out = cls(top_k=top_k or max((p.top_k for p in parts), default=100))
+        for part in parts:
+            if part.count == 0:
+                continue
+            out.count += part.count
+            out.total += part.total
+            out.total_sq += part.total_sq
+            out.maximum = max(out.maximum, part.maximum)
+            merged = torch.cat([out.top, part.top])
+            out.top = torch.topk(merged, min(out.top_k, merged.numel())).values
+            hist = part.histogram
+            out.histogram = hist.clone() if out.histogram is None else out.histogram + hist
+        return out
 
     def _edges(self) -> torch.Tensor:
         return torch.logspace(

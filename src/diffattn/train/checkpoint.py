@@ -31,7 +31,7 @@ import torch
 
 from diffattn.checkpoint import CheckpointError, read_config, write_model_files
 from diffattn.config import ModelConfig
-from diffattn.fileio import atomic_directory, copy_tokenizer_files, remove_partial_writes
+from diffattn.fileio import atomic_directory, copy_tokenizer_files
 from diffattn.model import DiffTransformerLM
 
 CHECKPOINTS_DIRNAME = "checkpoints"
@@ -63,12 +63,6 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     found = list_checkpoints(root)
     return found[-1][1] if found else None
-
-
-def remove_partial(root: str | os.PathLike) -> list[Path]:
-    """Delete what interrupted saves left under ``root`` (see
-    :func:`diffattn.fileio.remove_partial_writes`); returns the removed paths."""
-    return remove_partial_writes(root)
 
 
 def prune(root: str | os.PathLike, keep_last: int | None) -> list[Path]:
