@@ -5,10 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffattn.attention.common import AttentionMaps, merge_heads, split_heads, with_maps
+from diffattn.attention.common import (
+    AttentionMaps,
+    merge_heads,
+    project_qkv,
+    with_maps,
+)
 from diffattn.attention.kernels import AttentionMask, softmax_attention
 from diffattn.config import ModelConfig
-from diffattn.layers import apply_rotary
 
 
 class BaselineAttention(nn.Module):
@@ -35,12 +39,7 @@ class BaselineAttention(nn.Module):
         need_weights: bool = False,
         cache=None,
     ) -> tuple[torch.Tensor, AttentionMaps | None]:
-        style = self.config.rope_style
-        q = apply_rotary(split_heads(self.q_proj(x), self.n_heads), *rope, style)
-        k = apply_rotary(split_heads(self.k_proj(x), self.n_kv_heads), *rope, style)
-        v = split_heads(self.v_proj(x), self.n_kv_heads)
-        if cache is not None:
-            k, v = cache.update(self.layer_index, k, v)
+        q, k, v = project_qkv(self, x, rope, cache, self.n_heads, self.n_kv_heads, self.n_kv_heads)
         (out, _), maps = with_maps(
             self.layer_index,
             need_weights,

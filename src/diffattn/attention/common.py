@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from diffattn.attention.observe import MapRecorder, observing
+from diffattn.layers import apply_rotary
 
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -37,6 +38,21 @@ class AttentionMaps:
     a1: torch.Tensor | None = None
     a2: torch.Tensor | None = None
     lam: torch.Tensor | None = None
+
+
+def project_qkv(module, x, rope, cache, q_heads: int, k_heads: int, v_heads: int):
+    """Q, K, V of an attention module: split into heads, RoPE on Q and K, and the cache.
+
+    ``module`` has ``q_proj``, ``k_proj``, ``v_proj``, ``config`` and ``layer_index``; K and V
+    are returned with the cached keys and values in front when ``cache`` is given.
+    """
+    style = module.config.rope_style
+    q = apply_rotary(split_heads(module.q_proj(x), q_heads), *rope, style)
+    k = apply_rotary(split_heads(module.k_proj(x), k_heads), *rope, style)
+    v = split_heads(module.v_proj(x), v_heads)
+    if cache is not None:
+        k, v = cache.update(module.layer_index, k, v)
+    return q, k, v
 
 
 def with_maps(layer: int, need_weights: bool, attend, /, *args, **kwargs):

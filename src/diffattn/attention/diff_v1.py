@@ -16,10 +16,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffattn.attention.common import AttentionMaps, merge_heads, split_heads, with_maps
+from diffattn.attention.common import (
+    AttentionMaps,
+    merge_heads,
+    project_qkv,
+    with_maps,
+)
 from diffattn.attention.kernels import AttentionMask, differential_attention
 from diffattn.config import ModelConfig
-from diffattn.layers import RMSNorm, apply_rotary
+from diffattn.layers import RMSNorm
 
 
 class DiffAttentionV1(nn.Module):
@@ -72,12 +77,9 @@ class DiffAttentionV1(nn.Module):
         need_weights: bool = False,
         cache=None,
     ) -> tuple[torch.Tensor, AttentionMaps | None]:
-        style = self.config.rope_style
-        q = apply_rotary(split_heads(self.q_proj(x), 2 * self.n_heads), *rope, style)
-        k = apply_rotary(split_heads(self.k_proj(x), 2 * self.n_kv_heads), *rope, style)
-        v = split_heads(self.v_proj(x), self.n_kv_heads)  # (B, H_kv, N, 2d)
-        if cache is not None:  # cached as computed: K half-heads interleaved, V of width 2d
-            k, v = cache.update(self.layer_index, k, v)
+        # K half-heads interleaved, V heads of width 2d (B, H_kv, N, 2d); cached as computed
+        heads, kv = self.n_heads, self.n_kv_heads
+        q, k, v = project_qkv(self, x, rope, cache, 2 * heads, 2 * kv, kv)
         q1, q2 = q[:, 0::2], q[:, 1::2]
         k1, k2 = k[:, 0::2], k[:, 1::2]
         lam = self.lambda_full()

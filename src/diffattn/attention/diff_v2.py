@@ -16,10 +16,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffattn.attention.common import AttentionMaps, merge_heads, split_heads, with_maps
+from diffattn.attention.common import (
+    AttentionMaps,
+    merge_heads,
+    project_qkv,
+    with_maps,
+)
 from diffattn.attention.kernels import AttentionMask, differential_attention_v2
 from diffattn.config import ModelConfig
-from diffattn.layers import apply_rotary
 
 
 class DiffAttentionV2(nn.Module):
@@ -58,12 +62,8 @@ class DiffAttentionV2(nn.Module):
         need_weights: bool = False,
         cache=None,
     ) -> tuple[torch.Tensor, AttentionMaps | None]:
-        style = self.config.rope_style
-        q = apply_rotary(split_heads(self.q_proj(x), 2 * self.n_heads), *rope, style)
-        k = apply_rotary(split_heads(self.k_proj(x), self.n_kv_heads), *rope, style)
-        v = split_heads(self.v_proj(x), self.n_kv_heads)
-        if cache is not None:
-            k, v = cache.update(self.layer_index, k, v)
+        kv = self.n_kv_heads
+        q, k, v = project_qkv(self, x, rope, cache, 2 * self.n_heads, kv, kv)
         lam = self.token_lambda(x)
         out, maps = with_maps(
             self.layer_index,

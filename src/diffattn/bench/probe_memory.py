@@ -15,6 +15,7 @@ import json
 import resource
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -45,8 +46,10 @@ def measure(attention: str, seq_len: int, block_rows: int, forward: bool) -> dic
     if forward:
         span = SpanMass(spans=[(seq_len // 2, seq_len // 2 + 32)])
         stats = LogitStats(top_k=100)
+        start = time.perf_counter()
         with torch.no_grad(), Probe(model, [span, stats], block_rows=block_rows):
             model(ids)
+        result["forward_s"] = time.perf_counter() - start
         result["top1_logit"] = stats.result()["all"]["top1"]
         result["span_mass_shape"] = list(span.result()[0][0]["applied"].shape)
     result["peak_rss_mib"] = _peak_mib()
@@ -88,11 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         f"probe memory: 4 layers, d_model 256, {args.seq_len} tokens, SpanMass + LogitStats "
         f"top-100, block_rows {args.block_rows}, CPU, torch {torch.__version__}"
     )
-    print(f"{'attention':>10} {'idle MiB':>10} {'peak MiB':>10}")
+    print(f"{'attention':>10} {'idle MiB':>10} {'peak MiB':>10} {'forward s':>10}")
     for attention in args.attention:
         idle = _child(args, attention, forward=False)["peak_rss_mib"]
-        peak = _child(args, attention, forward=True)["peak_rss_mib"]
-        print(f"{attention:>10} {idle:>10.0f} {peak:>10.0f}")
+        probed = _child(args, attention, forward=True)
+        peak, seconds = probed["peak_rss_mib"], probed["forward_s"]
+        print(f"{attention:>10} {idle:>10.0f} {peak:>10.0f} {seconds:>10.1f}")
     return 0
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from diffattn.train.cli import add_set_option
+
 DESCRIPTION = (
     "Train a Transformer baseline, DIFF V1 and DIFF V2 at matched parameter count on the same "
     "tokens, in the same order, with the same seed, then write OUT/report.md (+ report.json, "
@@ -31,14 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=ATTENTIONS,
         help="attention types to compare (default: all three)",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a recipe value, e.g. --set optim.lr=1e-3 (repeatable)",
-    )
+    add_set_option(parser, "override a recipe value, e.g. --set optim.lr=1e-3 (repeatable)")
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an OUT holding a different comparison"
     )

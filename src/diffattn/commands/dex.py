@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffattn.train.cli import add_set_option
+
 DESCRIPTION = (
     "Dex, the differential extension of a pretrained decoder: select heads (§3.2), train "
     "with the App. F.1 recipe (AdamW, cosine, warm-up 3%, lr 1e-4), merge into a plain "
@@ -18,13 +20,8 @@ DESCRIPTION = (
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="HF model directory, diffattn model directory or smollm2")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a training-config entry, e.g. --set seq_len=128 --set data.max_bytes=1e6",
+    add_set_option(
+        parser, "override a training-config entry, e.g. --set seq_len=128 --set data.max_bytes=1e6"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 

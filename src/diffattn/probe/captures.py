@@ -168,6 +168,15 @@ class SpanMass(Capture):
         return self.store.result()
 
 
+def _summaries(per_layer: dict[int, RunningStats], top_k: int) -> dict[str, Any]:
+    """``{"all": pooled summary, "layers": {layer: summary}}`` of per-layer statistics."""
+    pooled = RunningStats.merged(list(per_layer.values()), top_k)
+    return {
+        "all": pooled.summary(),
+        "layers": {layer: stats.summary() for layer, stats in sorted(per_layer.items())},
+    }
+
+
 def _valid_logits(capture: Capture, event: AttentionEvent) -> torch.Tensor:
     """``(B, 1, R, S)`` bool: allowed entries of real query rows."""
     return event.allowed & capture.real_rows(event)[:, None, :, None]
@@ -198,11 +207,7 @@ class LogitStats(Capture):
             stats.update(logits, valid)
 
     def result(self) -> dict[str, Any]:
-        pooled = RunningStats.merged(list(self.per_layer.values()), self.top_k)
-        return {
-            "all": pooled.summary(),
-            "layers": {layer: s.summary() for layer, s in sorted(self.per_layer.items())},
-        }
+        return _summaries(self.per_layer, self.top_k)
 
 
 class AttentionEntropy(Capture):
@@ -332,11 +337,7 @@ class HiddenStats(HiddenStates):
         return hook
 
     def result(self) -> dict[str, Any]:
-        pooled = RunningStats.merged(list(self.per_layer.values()), self.top_k)
-        return {
-            "all": pooled.summary(),
-            "layers": {layer: s.summary() for layer, s in sorted(self.per_layer.items())},
-        }
+        return _summaries(self.per_layer, self.top_k)
 
 
 class HeadOutputs(Capture):

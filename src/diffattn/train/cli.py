@@ -21,6 +21,18 @@ DESCRIPTION = (
 )
 
 
+def add_set_option(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """The repeatable ``--set KEY=VALUE`` recipe override (collected in ``args.overrides``)."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=help_text,
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``diffattn train`` to ``parser``."""
     parser.add_argument("config", help="YAML recipe, e.g. configs/tiny.yaml")
@@ -29,13 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume", action="store_true", help="continue from the newest checkpoint in --out"
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a recipe entry, value parsed as YAML (e.g. --set optim.lr=3e-4 "
+    add_set_option(
+        parser,
+        "override a recipe entry, value parsed as YAML (e.g. --set optim.lr=3e-4 "
         "--set model.attention=diff_v1); repeatable",
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="sets device")
