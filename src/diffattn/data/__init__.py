@@ -33,6 +33,7 @@ from diffattn.data.shards import (
 )
 from diffattn.data.sources import (
     SourceStats,
+    TextError,
     decode_utf8,
     fingerprint_sources,
     iter_documents,
@@ -69,6 +70,7 @@ __all__ = [
     "ShardSet",
     "ShardWriter",
     "SourceStats",
+    "TextError",
     "TiktokenTokenizer",
     "Tokenizer",
     "TokenizerSpec",

@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -86,6 +87,10 @@ class DataConfig:
     """Tokens per shard file."""
     cache_dir: str | None = None
     """Cache root; ``None``: ``$DIFFATTN_CACHE/data`` or ``~/.cache/diffattn/data``."""
+    strict: bool = False
+    """Refuse bad text: the first binary document (NUL byte) or invalid UTF-8 byte raises
+    ``ValueError`` naming the file and offset. ``False``: binary documents are skipped and
+    invalid bytes become U+FFFD, both counted in :class:`DataStats` and reported once."""
 
     def __post_init__(self) -> None:
         sources = self.sources
@@ -134,6 +139,8 @@ class DataConfig:
             if not isinstance(self.cache_dir, str | os.PathLike) or not str(self.cache_dir):
                 self._fail("cache_dir", f"must be a path or None, got {self.cache_dir!r}")
             object.__setattr__(self, "cache_dir", str(self.cache_dir))
+        if not isinstance(self.strict, bool):
+            self._fail("strict", f"must be true or false, got {self.strict!r}")
 
     @staticmethod
     def _fail(name: str, message: str) -> None:
@@ -190,9 +197,35 @@ class DataStats:
     vocab_size: int
     seconds: float
     """Wall time of the preparation (of the original run when read from the cache)."""
+    binary_files: int = 0
+    binary_documents: int = 0
+    """Documents skipped because they hold a NUL byte."""
+    binary_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def clean(self) -> bool:
+        """Nothing was replaced or skipped: a strict preparation gives the same data."""
+        return not (self.replaced_bytes or self.replaced_documents or self.binary_documents)
+
+    def text_notice(self) -> str | None:
+        """One line saying what was skipped and replaced; ``None`` for a clean corpus."""
+        if self.clean:
+            return None
+        parts = []
+        if self.binary_documents:
+            parts.append(
+                f"skipped {self.binary_documents} binary document(s) (NUL bytes; "
+                f"{self.binary_bytes} bytes) in {self.binary_files} file(s)"
+            )
+        if self.replaced_documents:
+            parts.append(
+                f"replaced {self.replaced_bytes} invalid UTF-8 byte(s) with U+FFFD in "
+                f"{self.replaced_documents} document(s) of {self.replaced_files} file(s)"
+            )
+        return f"diffattn data: {'; '.join(parts)}; data.strict=true refuses them"
 
 
 @dataclass
@@ -221,6 +254,7 @@ def _documents(config: DataConfig, stats: SourceStats | None = None) -> Iterator
         split=config.document_split,  # type: ignore[arg-type]
         max_bytes=config.max_bytes,
         stats=stats,
+        strict=config.strict,
     )
 
 
@@ -264,6 +298,16 @@ def _build_tokenizer(config: DataConfig, source_fingerprint: str, progress: bool
         if "empty corpus" in str(error):
             raise _empty_corpus(config, "no training documents to learn a BPE from") from None
         raise
+
+
+def _refuse_unclean_cache(config: DataConfig, stats: DataStats, directory: Path) -> None:
+    """Strict mode and a cached preparation that replaced or skipped text: name the culprit."""
+    for _ in _documents(config):  # raises TextError at the first offending file
+        pass
+    raise ValueError(  # pragma: no cover - the sources changed without changing the key
+        f"strict mode: the cached preparation {directory} replaced or skipped text "
+        f"({stats.text_notice()}); delete it to rebuild"
+    )
 
 
 def _open_prepared(config: DataConfig, directory: Path, tokenizer: Tokenizer) -> PreparedData:
@@ -324,7 +368,15 @@ def prepare_data(
     root = config.cache_path / "shards"
     directory = root / key
     if (directory / PREPARED).is_file():
-        return _open_prepared(config, directory, tokenizer)
+        # strict and lenient runs share an entry only when nothing was replaced or skipped,
+        # i.e. when both give the same data
+        cached = _open_prepared(config, directory, tokenizer)
+        if config.strict and not cached.stats.clean:
+            _refuse_unclean_cache(config, cached.stats, directory)
+        notice = cached.stats.text_notice()
+        if notice and progress:
+            print(notice, file=sys.stderr, flush=True)
+        return cached
 
     # written whole or not at all; a directory written meanwhile by another process (the
     # same data: the name is a hash of everything that determines it) is replaced
@@ -368,6 +420,9 @@ def prepare_data(
             replaced_files=source_stats.replaced_files,
             replaced_documents=source_stats.replaced_documents,
             replaced_bytes=source_stats.replaced_bytes,
+            binary_files=source_stats.binary_files,
+            binary_documents=source_stats.binary_documents,
+            binary_bytes=source_stats.binary_bytes,
             truncated=source_stats.truncated,
             fingerprint=_hash([result.train.fingerprint, result.valid.fingerprint]),
             source_fingerprint=source_fingerprint,
@@ -382,6 +437,9 @@ def prepare_data(
             "stats": stats.to_dict(),
         }
         (tmp / PREPARED).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    notice = stats.text_notice()
+    if notice:
+        print(notice, file=sys.stderr, flush=True)
     prepared = _open_prepared(config, directory, tokenizer)
     prepared.cached = False
     return prepared

@@ -13,8 +13,11 @@ A *source spec* is one string:
 * a directory: every non-hidden file below it, recursively, in sorted order;
 * a glob pattern (``*``, ``?``, ``[``; ``**`` recurses): the matching files, sorted.
 
-Documents are ``str``. Bytes that are not valid UTF-8 never stop a run: each invalid sequence
-becomes U+FFFD and is counted in :class:`SourceStats` (files, documents and bytes affected).
+Documents are ``str``. By default bad text never stops a run, and everything is counted in
+:class:`SourceStats`: each byte sequence that is not valid UTF-8 becomes U+FFFD, and a document
+that looks binary (it holds a NUL byte; a text file with a NUL byte in its first 8 KiB is
+binary as a whole) is skipped. With ``strict=True`` either one raises :class:`TextError`
+naming the file and the byte offset (the row for Parquet and ``hf:`` datasets).
 A text file is one document (``split="file"``), or one per blank-line separated paragraph
 (``"paragraph"``) or per line (``"line"``); the last two stream the file line by line.
 """
@@ -30,7 +33,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, get_args
@@ -46,6 +49,10 @@ HF_PREFIX = "hf:"
 HF_QUERY_KEYS = ("data_files", "data_dir", "revision")
 _GLOB_CHARS = frozenset("*?[")
 _PARQUET_BATCH_ROWS = 1024
+BINARY_SNIFF_BYTES = 8192
+"""A text file with a NUL byte among its first this many bytes is binary (git's rule)."""
+TEXT_POLICY = "nul-skip-1"
+"""Identifies how bad text is handled; part of every source fingerprint (cache key)."""
 
 SOURCE_FORMS = (
     "'stdlib[:MAX_BYTES|:all]', 'hf:NAME[:CONFIG][@SPLIT][?data_files=...]', "
@@ -74,6 +81,12 @@ class SourceStats:
     """Documents containing at least one replacement character that came from bad bytes."""
     replaced_bytes: int = 0
     """Bytes that were not valid UTF-8 and were replaced by U+FFFD."""
+    binary_files: int = 0
+    """Files in which at least one document was skipped as binary."""
+    binary_documents: int = 0
+    """Documents skipped because they hold a NUL byte (a binary text file counts as one)."""
+    binary_bytes: int = 0
+    """Bytes of the skipped binary documents."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,6 +116,34 @@ def decode_utf8(data: bytes) -> tuple[str, int]:
     text = data.decode("utf-8", errors=_COUNT_ERRORS)
     replaced, _counter.value = _counter.value, 0
     return text, replaced
+
+
+class TextError(ValueError):
+    """Strict mode: a source holds binary data or bytes that are not valid UTF-8."""
+
+
+def _strict_decode(data: bytes, where: Callable[[int], str]) -> str:
+    """``data`` as UTF-8; invalid bytes raise :class:`TextError` at ``where(offset)``."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise TextError(
+            f"{where(error.start)}: not valid UTF-8 (byte 0x{data[error.start]:02x}); "
+            "refused in strict mode (without it, invalid bytes become U+FFFD and are counted)"
+        ) from None
+
+
+def _binary_error(where: str) -> TextError:
+    return TextError(
+        f"{where}: binary data (NUL byte); refused in strict mode "
+        "(without it, binary documents are skipped and counted)"
+    )
+
+
+def _decode(data: bytes, strict: bool, where: Callable[[int], str]) -> tuple[str, int]:
+    if strict:
+        return _strict_decode(data, where), 0
+    return decode_utf8(data)
 
 
 def _clean_text(text: str) -> tuple[str, int]:
@@ -239,18 +280,40 @@ def _open_binary(path: Path) -> BinaryIO:
 
 
 class _Emitter:
-    """Counts documents and replacements; shared by the readers."""
+    """Counts documents, replacements and skipped binary documents; shared by the readers."""
 
-    def __init__(self, stats: SourceStats) -> None:
+    def __init__(self, stats: SourceStats, strict: bool = False) -> None:
         self.stats = stats
+        self.strict = strict
         self.file_had_replacement = False
+        self.file_had_binary = False
 
     def start_file(self) -> None:
         self.stats.files += 1
         self.file_had_replacement = False
+        self.file_had_binary = False
 
-    def document(self, text: str, replaced: int) -> str:
+    def binary(self, size: int, where: str) -> None:
+        """Skip a binary document of ``size`` bytes (strict mode: raise at ``where``)."""
+        if self.strict:
+            raise _binary_error(where)
+        self.stats.binary_documents += 1
+        self.stats.binary_bytes += size
+        if not self.file_had_binary:
+            self.file_had_binary = True
+            self.stats.binary_files += 1
+
+    def document(self, text: str, replaced: int, where: str) -> str | None:
+        """The text to yield, or ``None`` when it is binary (skipped and counted)."""
+        if "\x00" in text:
+            self.binary(len(text.encode("utf-8", errors="replace")), where)
+            return None
         text, more = _clean_text(text)
+        if more and self.strict:
+            raise TextError(
+                f"{where}: text holds {more} unpaired surrogate(s), which are not valid "
+                "UTF-8; refused in strict mode (without it, they become U+FFFD and are counted)"
+            )
         replaced += more
         if replaced:
             self.stats.replaced_bytes += replaced
@@ -261,43 +324,86 @@ class _Emitter:
         return text
 
 
+def _remaining_bytes(handle: BinaryIO, already: int) -> int:
+    """``already`` plus the bytes left in ``handle``, counted in chunks (bounded memory)."""
+    total = already
+    while chunk := handle.read(1 << 20):
+        total += len(chunk)
+    return total
+
+
 def read_text_file(
     path: str | os.PathLike[str],
     *,
     split: DocumentSplit = "file",
     stats: SourceStats | None = None,
+    strict: bool = False,
 ) -> Iterator[str]:
-    """Documents of one text file (whole file, paragraphs or lines; ``.gz`` is decompressed)."""
+    """Documents of one text file (whole file, paragraphs or lines; ``.gz`` is decompressed).
+
+    A file with a NUL byte in its first :data:`BINARY_SNIFF_BYTES` bytes is binary and is
+    skipped whole, as is any document holding a NUL byte (``strict``: :class:`TextError`).
+    """
     if split not in DOCUMENT_SPLITS:
         raise ValueError(f"split must be one of {DOCUMENT_SPLITS}, got {split!r}")
     path = Path(path)
-    emit = _Emitter(stats if stats is not None else SourceStats())
+    emit = _Emitter(stats if stats is not None else SourceStats(), strict)
     emit.start_file()
+    gz = path.name.lower().endswith(".gz")
+
+    def where(offset: int) -> str:
+        return f"{path}: {'decompressed ' if gz else ''}byte {offset}"
+
     with _open_binary(path) as handle:
         if split == "file":
-            text, replaced = decode_utf8(handle.read())
+            data = handle.read()
+            nul = data.find(b"\x00")
+            if nul >= 0:
+                emit.binary(len(data), where(nul))
+                return
+            text, replaced = _decode(data, strict, where)
             if text:
-                yield emit.document(text, replaced)
+                document = emit.document(text, replaced, where(0))
+                if document is not None:
+                    yield document
             return
+        head = handle.read(BINARY_SNIFF_BYTES)
+        nul = head.find(b"\x00")
+        if nul >= 0:
+            emit.binary(_remaining_bytes(handle, len(head)), where(nul))
+            return
+        handle.seek(0)
         # Line by line: '\n' is never part of a multi-byte UTF-8 sequence, so decoding each
         # line gives exactly the whole-file result with bounded memory.
         paragraph: list[str] = []
         paragraph_replaced = 0
+        paragraph_start = offset = 0
         for raw in handle:
-            line, replaced = decode_utf8(raw)
+            start, offset = offset, offset + len(raw)
+            line, replaced = _decode(raw, strict, lambda i, start=start: where(start + i))
             if split == "line":
                 line = line.rstrip("\r\n")
                 if line:
-                    yield emit.document(line, replaced)
+                    document = emit.document(line, replaced, where(start))
+                    if document is not None:
+                        yield document
                 continue
             if line.strip():
+                if not paragraph:
+                    paragraph_start = start
                 paragraph.append(line)
                 paragraph_replaced += replaced
             elif paragraph:
-                yield emit.document("".join(paragraph).rstrip("\r\n"), paragraph_replaced)
+                text = "".join(paragraph).rstrip("\r\n")
+                document = emit.document(text, paragraph_replaced, where(paragraph_start))
+                if document is not None:
+                    yield document
                 paragraph, paragraph_replaced = [], 0
         if paragraph:
-            yield emit.document("".join(paragraph).rstrip("\r\n"), paragraph_replaced)
+            text = "".join(paragraph).rstrip("\r\n")
+            document = emit.document(text, paragraph_replaced, where(paragraph_start))
+            if document is not None:
+                yield document
 
 
 def read_jsonl_file(
@@ -305,6 +411,7 @@ def read_jsonl_file(
     *,
     text_field: str = "text",
     stats: SourceStats | None = None,
+    strict: bool = False,
 ) -> Iterator[str]:
     """The ``text_field`` string of each JSON object in a JSON-lines file (blank lines skipped).
 
@@ -312,11 +419,17 @@ def read_jsonl_file(
     the file, the line number and the field.
     """
     path = Path(path)
-    emit = _Emitter(stats if stats is not None else SourceStats())
+    emit = _Emitter(stats if stats is not None else SourceStats(), strict)
     emit.start_file()
+    offset = 0
     with _open_binary(path) as handle:
         for number, raw in enumerate(handle, start=1):
-            line, replaced = decode_utf8(raw)
+            start, offset = offset, offset + len(raw)
+            line, replaced = _decode(
+                raw,
+                strict,
+                lambda i, number=number, start=start: f"{path}:{number}: byte {start + i}",
+            )
             if not line.strip():
                 continue
             try:
@@ -338,7 +451,15 @@ def read_jsonl_file(
                     "expected a string"
                 )
             if value:
-                yield emit.document(value, replaced)
+                document = emit.document(value, replaced, f"{path}:{number}: byte {start}")
+                if document is not None:
+                    yield document
+
+
+def _row_text(value: bytes | str, strict: bool, where: str) -> tuple[str, int]:
+    if isinstance(value, str):
+        return value, 0
+    return _decode(bytes(value), strict, lambda i: f"{where}, byte {i}")
 
 
 def read_parquet_file(
@@ -347,6 +468,7 @@ def read_parquet_file(
     text_field: str = "text",
     stats: SourceStats | None = None,
     batch_rows: int = _PARQUET_BATCH_ROWS,
+    strict: bool = False,
 ) -> Iterator[str]:
     """The ``text_field`` column of a Parquet file, streamed batch by batch (nulls skipped)."""
     try:
@@ -354,7 +476,7 @@ def read_parquet_file(
     except ImportError as error:  # pragma: no cover - pyarrow is installed in tests
         raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from error
     path = Path(path)
-    emit = _Emitter(stats if stats is not None else SourceStats())
+    emit = _Emitter(stats if stats is not None else SourceStats(), strict)
     emit.start_file()
     parquet = pq.ParquetFile(path)
     columns = parquet.schema_arrow.names
@@ -363,20 +485,22 @@ def read_parquet_file(
             f"{path}: no column {text_field!r} (columns: {columns}); "
             "set text_field to the column that holds the text"
         )
+    row = -1
     for batch in parquet.iter_batches(batch_size=batch_rows, columns=[text_field]):
         for value in batch.column(0).to_pylist():
+            row += 1
             if value is None:
                 continue
-            if isinstance(value, bytes | bytearray):
-                text, replaced = decode_utf8(bytes(value))
-            elif isinstance(value, str):
-                text, replaced = value, 0
-            else:
+            if not isinstance(value, bytes | bytearray | str):
                 raise ValueError(
                     f"{path}: column {text_field!r} holds {type(value).__name__}, expected strings"
                 )
+            where = f"{path}: row {row}"
+            text, replaced = _row_text(value, strict, where)
             if text:
-                yield emit.document(text, replaced)
+                document = emit.document(text, replaced, where)
+                if document is not None:
+                    yield document
 
 
 def read_hf_dataset(
@@ -384,6 +508,7 @@ def read_hf_dataset(
     *,
     text_field: str = "text",
     stats: SourceStats | None = None,
+    strict: bool = False,
     **load_kwargs: Any,
 ) -> Iterator[str]:
     """Stream the ``text_field`` column of a ``datasets`` dataset (streaming ``load_dataset``).
@@ -400,7 +525,7 @@ def read_hf_dataset(
             f"source 'hf:{parsed.name}' needs the datasets package: pip install datasets"
         ) from error
     kwargs = {**dict(parsed.options), **load_kwargs}
-    emit = _Emitter(stats if stats is not None else SourceStats())
+    emit = _Emitter(stats if stats is not None else SourceStats(), strict)
     emit.start_file()
     dataset = datasets.load_dataset(
         parsed.name, parsed.config, split=parsed.split, streaming=True, **kwargs
@@ -411,21 +536,21 @@ def read_hf_dataset(
             f"dataset 'hf:{parsed.name}' has no column {text_field!r} (columns: {columns}); "
             "set text_field to the column that holds the text"
         )
-    for row in dataset:
-        value = row.get(text_field)
+    for row, record in enumerate(dataset):
+        value = record.get(text_field)
         if value is None:
             continue
-        if isinstance(value, bytes):
-            text, replaced = decode_utf8(value)
-        elif isinstance(value, str):
-            text, replaced = value, 0
-        else:
+        if not isinstance(value, bytes | str):
             raise ValueError(
                 f"dataset 'hf:{parsed.name}': field {text_field!r} holds "
                 f"{type(value).__name__}, expected strings"
             )
+        where = f"dataset 'hf:{parsed.name}': row {row}"
+        text, replaced = _row_text(value, strict, where)
         if text:
-            yield emit.document(text, replaced)
+            document = emit.document(text, replaced, where)
+            if document is not None:
+                yield document
 
 
 def read_file(
@@ -434,24 +559,27 @@ def read_file(
     text_field: str = "text",
     split: DocumentSplit = "file",
     stats: SourceStats | None = None,
+    strict: bool = False,
 ) -> Iterator[str]:
     """Documents of one file, dispatched on its suffix (JSON lines, Parquet or text)."""
     path = Path(path)
     kind = _name_without_gz(path)
     if kind.endswith(".jsonl"):
-        return read_jsonl_file(path, text_field=text_field, stats=stats)
+        return read_jsonl_file(path, text_field=text_field, stats=stats, strict=strict)
     if path.name.lower().endswith(".parquet"):
-        return read_parquet_file(path, text_field=text_field, stats=stats)
-    return read_text_file(path, split=split, stats=stats)
+        return read_parquet_file(path, text_field=text_field, stats=stats, strict=strict)
+    return read_text_file(path, split=split, stats=stats, strict=strict)
 
 
-def _iter_one(spec: str, text_field: str, split: DocumentSplit, stats: SourceStats):
+def _iter_one(
+    spec: str, text_field: str, split: DocumentSplit, stats: SourceStats, strict: bool
+) -> Iterator[str]:
     if is_stdlib_spec(spec):
         from diffattn.data.corpus import stdlib_files
 
         cap, used = stdlib_spec_cap(spec), 0
         for path in stdlib_files():
-            for text in read_text_file(path, stats=stats):
+            for text in read_text_file(path, stats=stats, strict=strict):
                 size = len(text.encode("utf-8"))
                 if cap is not None and used + size > cap:
                     stats.truncated = True
@@ -462,10 +590,12 @@ def _iter_one(spec: str, text_field: str, split: DocumentSplit, stats: SourceSta
                 used += size
                 yield text
     elif spec.startswith(HF_PREFIX):
-        yield from read_hf_dataset(spec, text_field=text_field, stats=stats)
+        yield from read_hf_dataset(spec, text_field=text_field, stats=stats, strict=strict)
     else:
         for path in resolve_files(spec):
-            yield from read_file(path, text_field=text_field, split=split, stats=stats)
+            yield from read_file(
+                path, text_field=text_field, split=split, stats=stats, strict=strict
+            )
 
 
 def _fit_utf8(text: str, budget: int) -> str:
@@ -480,11 +610,14 @@ def iter_documents(
     split: DocumentSplit = "file",
     max_bytes: int | None = None,
     stats: SourceStats | None = None,
+    strict: bool = False,
 ) -> Iterator[str]:
     """All documents of ``sources`` (specs, in the given order), as ``str``.
 
     ``max_bytes`` caps the total UTF-8 bytes: reading stops there, the last document cut at a
-    character boundary. ``stats`` (a :class:`SourceStats`) is updated while iterating. No
+    character boundary. ``stats`` (a :class:`SourceStats`) is updated while iterating:
+    invalid UTF-8 is replaced by U+FFFD and binary documents (NUL bytes) are skipped, both
+    counted; ``strict=True`` raises :class:`TextError` at the first of either instead. No
     error is raised for an empty corpus here; :func:`diffattn.data.prepare_data` does that.
     """
     specs = [sources] if isinstance(sources, str) else list(sources)
@@ -496,7 +629,7 @@ def iter_documents(
         raise ValueError(f"max_bytes must be a positive integer or None, got {max_bytes!r}")
     stats = stats if stats is not None else SourceStats()
     for spec in specs:
-        for text in _iter_one(spec, text_field, split, stats):
+        for text in _iter_one(spec, text_field, split, stats, bool(strict)):
             size = len(text.encode("utf-8"))
             if max_bytes is not None and stats.bytes + size > max_bytes:
                 text = _fit_utf8(text, max_bytes - stats.bytes)
@@ -544,5 +677,9 @@ def fingerprint_sources(
             entries.append([spec])
         else:
             entries.append([spec, [_file_entry(p) for p in resolve_files(spec)]])
-    payload = json.dumps({"sources": entries, "settings": settings}, sort_keys=True, default=str)
+    payload = json.dumps(
+        {"sources": entries, "settings": settings, "text_policy": TEXT_POLICY},
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
