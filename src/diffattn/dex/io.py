@@ -10,11 +10,14 @@ The adapter holds what Dex adds and trains on top of the pretrained weights:
 
 Loading onto a fresh copy of the same pretrained model reproduces the Dex model's outputs
 exactly; a model of another shape (layer count, heads, head width, parameter shapes) is
-refused with a message naming the difference.
+refused with a message naming the difference. A truncated or corrupt weights file, or a
+``dex_config.json`` that is not valid JSON or lacks or mistypes an entry, raises
+:class:`AdapterError` (a ``ValueError``) naming the file, before the model is touched.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +26,27 @@ from safetensors.torch import save_file
 from torch import nn
 
 from diffattn.checkpoint import read_safetensors
-from diffattn.dex.adapter import apply, dex_sites, is_dex, named_trainable_parameters
+from diffattn.dex.adapter import (
+    TRAIN_ATTENTION,
+    apply,
+    dex_sites,
+    is_dex,
+    named_trainable_parameters,
+)
 from diffattn.dex.adapter import freeze as freeze_model
 from diffattn.dex.schedule import set_step
 from diffattn.dex.sites import find_attention
-from diffattn.fileio import read_json, write_json
+from diffattn.fileio import CheckpointError, read_json, write_json
 
 WEIGHTS_NAME = "dex_adapter.safetensors"
 CONFIG_NAME = "dex_config.json"
 FORMAT = "diffattn-dex"
 VERSION = 1
+
+
+class AdapterError(ValueError):
+    """A Dex adapter directory that cannot be read: the message names the file and the
+    problem."""
 
 
 def save_adapter(
@@ -90,19 +104,102 @@ def save_adapter(
     return directory
 
 
+def _is_int(value: Any, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _config_problem(config: dict[str, Any]) -> str | None:
+    """The first entry of an adapter config that is missing or of the wrong kind, or None."""
+    n_layers = config.get("n_layers")
+    if not _is_int(n_layers, 1):
+        return f"'n_layers' must be a positive integer, got {n_layers!r}"
+    for key in ("n_heads", "n_kv_heads", "head_dim"):
+        value = config.get(key)
+        if not (
+            isinstance(value, list) and len(value) == n_layers and all(_is_int(v, 1) for v in value)
+        ):
+            return f"{key!r} must list {n_layers} positive integers (one per layer), got {value!r}"
+    for key in ("step", "anneal_steps"):
+        if not _is_int(config.get(key)):
+            return f"{key!r} must be a non-negative integer, got {config.get(key)!r}"
+    w_d_init = config.get("w_d_init", "identity")
+    if w_d_init not in ("identity", "zeros") and not _is_number(w_d_init):
+        return f"'w_d_init' must be 'identity', 'zeros' or a number, got {w_d_init!r}"
+    attention = config.get("attention", "adapted")
+    if attention not in TRAIN_ATTENTION:
+        return f"'attention' must be one of {', '.join(TRAIN_ATTENTION)}, got {attention!r}"
+    trained = config.get("trained_weights")
+    if not isinstance(trained, list) or not all(isinstance(t, str) for t in trained):
+        return f"'trained_weights' must be a list of parameter names, got {trained!r}"
+    layers = config.get("layers")
+    if not isinstance(layers, list) or not layers:
+        return f"'layers' must be a non-empty list of layer objects, got {layers!r}"
+    seen: set[int] = set()
+    for number, layer in enumerate(layers):
+        where = f"layers[{number}]"
+        if not isinstance(layer, dict):
+            return f"{where} must be an object, got {layer!r}"
+        index = layer.get("index")
+        if not _is_int(index) or index >= n_layers:
+            return f"{where}.index must be a layer index below {n_layers}, got {index!r}"
+        if index in seen:
+            return f"{where}.index {index} appears twice"
+        seen.add(index)
+        heads = layer.get("heads")
+        n_heads = config["n_heads"][index]
+        if (
+            not isinstance(heads, list)
+            or not heads
+            or not all(_is_int(h) and h < n_heads for h in heads)
+            or len(set(heads)) != len(heads)
+        ):
+            return f"{where}.heads must list distinct head indices below {n_heads}, got {heads!r}"
+        if not _is_number(layer.get("lambda_init")):
+            return f"{where}.lambda_init must be a finite number, got {layer.get('lambda_init')!r}"
+    return None
+
+
 def read_adapter_config(directory: str | Path) -> dict[str, Any]:
     """The JSON half of an adapter directory (a clear error, naming the file, when it is not
     one or the file is malformed)."""
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
-        raise ValueError(f"{directory} is not a Dex adapter directory: {CONFIG_NAME} is missing")
-    config = read_json(path)
+        raise AdapterError(f"{directory} is not a Dex adapter directory: {CONFIG_NAME} is missing")
+    try:
+        config = read_json(path)
+    except CheckpointError as error:
+        raise AdapterError(str(error)) from None
     if config.get("format") != FORMAT or config.get("version") != VERSION:
-        raise ValueError(
+        raise AdapterError(
             f"{path} is not a version-{VERSION} {FORMAT} adapter "
             f"(format={config.get('format')!r}, version={config.get('version')!r})"
         )
+    problem = _config_problem(config)
+    if problem is not None:
+        raise AdapterError(f"{path}: malformed Dex adapter config: {problem}")
     return config
+
+
+def read_adapter_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of an adapter directory; a missing, truncated or corrupt file, or one
+    holding non-float or non-finite tensors, raises :class:`AdapterError` naming it."""
+    path = Path(directory) / WEIGHTS_NAME
+    if not path.is_file():
+        raise AdapterError(f"{path}: missing; {directory} is not a complete Dex adapter")
+    try:
+        tensors = read_safetensors([path])
+    except CheckpointError as error:
+        raise AdapterError(str(error)) from None
+    for name, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            raise AdapterError(f"{path}: {name} holds {tensor.dtype} values, expected floats")
+        if not bool(torch.isfinite(tensor).all()):
+            raise AdapterError(f"{path}: {name} holds non-finite values (a corrupt file?)")
+    return tensors
 
 
 def _check_shape(config: dict[str, Any], model: nn.Module) -> None:
@@ -132,21 +229,24 @@ def load_adapter(model: nn.Module, directory: str | Path, freeze: bool = True) -
     """Apply the saved adapter to a fresh pretrained ``model`` (in place) and return it.
 
     Raises:
-        ValueError: not an adapter directory, Dex already applied, or a model whose shape
-            or parameters differ from the one the adapter was saved from.
+        AdapterError: not an adapter directory, a malformed ``dex_config.json``, or a
+            missing, truncated or corrupt weights file (named in the message).
+        ValueError: Dex already applied, or a model whose shape or parameters differ from
+            the one the adapter was saved from. Nothing of the model changes on any error.
     """
     config = read_adapter_config(directory)
     if is_dex(model):
         raise ValueError(f"{type(model).__name__} already has Dex applied; load onto a fresh model")
     _check_shape(config, model)
-    tensors = read_safetensors([Path(directory) / WEIGHTS_NAME])
+    tensors = read_adapter_weights(directory)
+    weights = Path(directory) / WEIGHTS_NAME
     params = dict(model.named_parameters())
     for name in config["trained_weights"]:
         key = f"model.{name}"
         if name not in params:
             raise ValueError(f"the Dex adapter holds {name!r}, which this model does not have")
         if key not in tensors:
-            raise ValueError(f"the Dex adapter lists {name!r} but its weights file lacks it")
+            raise AdapterError(f"{weights}: lacks {key}, which {CONFIG_NAME} lists")
         if tuple(tensors[key].shape) != tuple(params[name].shape):
             raise ValueError(
                 f"the Dex adapter's {name} has shape {tuple(tensors[key].shape)}, "
@@ -159,10 +259,10 @@ def load_adapter(model: nn.Module, directory: str | Path, freeze: bool = True) -
         for key, shape in (("w_d", (k, d, d)), ("lambda_learn", ())):
             name = f"dex.{index}.{key}"
             if name not in tensors:
-                raise ValueError(f"the Dex adapter's weights file lacks {name}")
+                raise AdapterError(f"{weights}: lacks {name}, which {CONFIG_NAME} lists")
             if tuple(tensors[name].shape) != shape:
-                raise ValueError(
-                    f"the Dex adapter's {name} has shape {tuple(tensors[name].shape)}, "
+                raise AdapterError(
+                    f"{weights}: {name} has shape {tuple(tensors[name].shape)}, "
                     f"expected {shape} for {k} heads of width {d}"
                 )
     heads = {layer["index"]: layer["heads"] for layer in layers}
