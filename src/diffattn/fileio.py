@@ -125,14 +125,60 @@ def fsync_directory(directory: str | os.PathLike) -> None:
             os.close(fd)
 
 
-def check_output_directory(out: str | os.PathLike, overwrite: bool = False) -> None:
-    """Refuse an ``out`` that is not a directory, or is a non-empty one without ``overwrite``."""
+def check_output_directory(
+    out: str | os.PathLike,
+    overwrite: bool = False,
+    *,
+    own: bool = False,
+    option: str = "",
+    hint: str = "pass overwrite=True to replace it",
+) -> bool:
+    """Apply the output-directory rule to ``out`` before anything is written there.
+
+    The rule, shared by every command that writes a directory:
+
+    * an ``out`` that does not exist, or an empty directory, is used;
+    * an ``out`` that exists and is not a directory is refused;
+    * a non-empty directory is used as it is only when ``own`` (the caller recognised the
+      marker its own run wrote there: the same resolved settings, a checkpoint to resume);
+    * any other non-empty directory is refused unless ``overwrite``, and then the caller
+      replaces it as a whole (:func:`clear_output_directory` or :func:`atomic_directory`),
+      so nothing of the previous contents survives.
+
+    Returns True when ``out`` holds contents that are to be replaced (``overwrite`` of a
+    non-empty directory that is not ``own``). Refusals raise one :class:`CheckpointError`
+    that starts with ``option`` (e.g. ``"--out"``) and ends with ``hint``.
+    """
     out = Path(out)
-    if out.exists():
-        if not out.is_dir():
-            raise CheckpointError(f"{out}: exists and is not a directory")
-        if any(out.iterdir()) and not overwrite:
-            raise CheckpointError(f"{out}: directory exists and is not empty (pass overwrite)")
+    where = f"{option} {out}" if option else str(out)
+    if not out.exists() and not out.is_symlink():
+        return False
+    if not out.is_dir():
+        raise CheckpointError(f"{where}: exists and is not a directory")
+    if not any(out.iterdir()) or own:
+        return False
+    if overwrite:
+        return True
+    raise CheckpointError(f"{where}: directory exists and is not empty; {hint}")
+
+
+def clear_output_directory(out: str | os.PathLike) -> Path:
+    """Replace the directory ``out`` by an empty one, leaving nothing of its contents.
+
+    The old directory is first renamed into a hidden temporary sibling (a name
+    :func:`is_partial_write` recognises, so a crash leaves only a removable leftover) and
+    then deleted; ``out`` is an empty directory afterwards. Returns ``out``.
+    """
+    out = Path(out)
+    if out.is_dir() and not out.is_symlink():
+        holder = Path(tempfile.mkdtemp(prefix=_temp_prefix(out), dir=out.parent))
+        os.replace(out, holder / out.name)
+        shutil.rmtree(holder, ignore_errors=True)
+    elif out.exists() or out.is_symlink():
+        raise CheckpointError(f"{out}: exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    fsync_directory(out.parent)
+    return out
 
 
 @contextlib.contextmanager

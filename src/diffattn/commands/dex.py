@@ -48,11 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--lambda-init", default="exp", help="exp (default) or a number")
     train.add_argument("--anneal-steps", type=int, default=None, help="T of Eq.4 (default half)")
     train.add_argument("--resume", action="store_true", help="continue the run in --out")
+    train.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty --out (another run)"
+    )
 
     merge = verbs.add_parser("merge", help="fold a trained adapter into W_O, save a plain model")
     merge.add_argument("adapter", help="adapter directory or dex train run directory")
     merge.add_argument("model", help="the pretrained model the adapter was trained on")
-    merge.add_argument("--out", required=True, help="output model directory (must not exist)")
+    merge.add_argument("--out", required=True, help="output model directory (absent or empty)")
+    merge.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty --out as a whole"
+    )
 
     compare = verbs.add_parser("compare", help="Dex vs LoRA-8/32 vs full fine-tuning")
     _add_common(compare)
@@ -63,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         help="subset of dex lora8 lora32 ft (default: all)",
+    )
+    compare.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty --out as a whole"
     )
 
 
@@ -113,6 +122,7 @@ def _run(args: argparse.Namespace) -> int:
                 overrides=list(args.overrides),
                 resume=args.resume,
                 progress=not args.quiet,
+                overwrite=args.overwrite,
             )
         )
         print(result.heads.format_table())
@@ -125,7 +135,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"adapter: {result.adapter}\ncheckpoint: {result.checkpoint}")
         return 0
     if args.dex_verb == "merge":
-        out = dex_train.merge_run(args.adapter, args.model, args.out)
+        out = dex_train.merge_run(args.adapter, args.model, args.out, overwrite=args.overwrite)
         print(f"merged model: {out}")
         return 0
     from diffattn.dex.compare import compare_methods
@@ -137,5 +147,6 @@ def _run(args: argparse.Namespace) -> int:
         overrides=list(args.overrides),
         methods=args.methods,
         progress=not args.quiet,
+        overwrite=args.overwrite,
     )
     return 0

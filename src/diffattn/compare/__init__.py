@@ -21,7 +21,6 @@ checkpoints) and rewrites the report; an ``OUT`` holding a different plan is ref
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -127,18 +126,23 @@ def _plan_text(options: CompareOptions, base: Any) -> str:
 
 
 def _prepare_out_dir(out: Path, plan: str, overwrite: bool) -> None:
+    """The output-directory rule (:func:`diffattn.fileio.check_output_directory`): ``out``
+    is used when absent, empty or holding this same plan (``compare.yaml``); another
+    non-empty directory is refused unless ``overwrite``, which replaces it as a whole."""
+    from diffattn.fileio import check_output_directory, clear_output_directory
+
     plan_file = out / PLAN_NAME
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        same = plan_file.is_file() and plan_file.read_text(encoding="utf-8") == plan
-        if overwrite:
-            shutil.rmtree(out)
-        elif not same:
-            raise ValueError(
-                f"--out {out}: holds other files or a comparison with different settings; "
-                "choose another --out or pass --overwrite to replace it"
-            )
+    same = plan_file.is_file() and plan_file.read_text(encoding="utf-8") == plan
+    replace = check_output_directory(
+        out,
+        overwrite,
+        own=same and not overwrite,
+        option="--out",
+        hint="it holds other files or a comparison with different settings; choose "
+        "another --out or pass --overwrite to replace it",
+    )
+    if replace:
+        clear_output_directory(out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = plan_file.with_suffix(".tmp")
     tmp.write_text(plan, encoding="utf-8")

@@ -95,7 +95,9 @@ def check_output_dir(src: Path, out: Path, overwrite: bool) -> None:
         out.resolve() == src.resolve() or src.resolve().is_relative_to(out.resolve())
     ):
         raise ValueError(f"{out}: the output directory must not hold the source {src}")
-    check_output_directory(out, overwrite)
+    check_output_directory(
+        out, overwrite, hint="choose another OUT, or pass --overwrite to replace it"
+    )
 
 
 def token_ids(config_dict: Mapping[str, Any]) -> dict[str, Any]:

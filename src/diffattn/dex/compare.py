@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from diffattn.dex import train as dex_train
+from diffattn.fileio import check_output_directory, clear_output_directory
 from diffattn.loading import ModelSource, load_model, resolve_source
 
 METHODS = ("dex", "lora8", "lora32", "ft")
@@ -80,6 +81,7 @@ def compare_methods(
     overrides: Sequence[str] = (),
     methods: Sequence[str] | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Train each method, evaluate, write the report; returns the ``report.json`` content."""
     from diffattn.compare.plots import plot_losses
@@ -93,8 +95,12 @@ def compare_methods(
     if unknown or not methods:
         raise ValueError(f"methods must be among {', '.join(METHODS)}, got {methods!r}")
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"{out} is not empty; choose another --out")
+    replace = check_output_directory(
+        out,
+        overwrite,
+        option="--out",
+        hint="choose another --out or pass --overwrite to replace it",
+    )
     source = resolve_source(model)
     pretrained = load_model(source, dtype=torch.float32).train()
     dex_train.check_supported(pretrained, source)
@@ -129,6 +135,8 @@ def compare_methods(
         }
     ]
     runs = []
+    if replace:  # every input is valid: the old contents go now, as a whole
+        clear_output_directory(out)
     for method in methods:
         make, lr = factories[method]
         run_config = config.replace(optim={**config.to_dict()["optim"], "lr": lr})

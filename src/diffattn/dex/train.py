@@ -36,7 +36,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from diffattn.fileio import CheckpointError, atomic_directory, copy_tokenizer_files, read_json
+from diffattn.fileio import (
+    CheckpointError,
+    atomic_directory,
+    check_output_directory,
+    clear_output_directory,
+    copy_tokenizer_files,
+    read_json,
+)
 from diffattn.loading import ModelSource, load_model, resolve_source
 
 RUN_SETTINGS_NAME = "dex_run.json"
@@ -205,6 +212,8 @@ class DexTrainOptions:
     overrides: list[str] = field(default_factory=list)
     resume: bool = False
     progress: bool = True
+    overwrite: bool = False
+    """Replace a non-empty ``out`` that is not continued with ``resume``."""
 
 
 @dataclass
@@ -271,14 +280,24 @@ def train_dex(options: DexTrainOptions) -> DexTrainResult:
 
     out = Path(options.out)
     settings_path = out / RUN_SETTINGS_NAME
+    if options.resume and options.overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    replace = False
     if options.resume:
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out}: exists and is not a directory")
         if not settings_path.is_file():
             raise ValueError(f"--resume: {out} holds no {RUN_SETTINGS_NAME}; not a dex train run")
         saved = read_json(settings_path)
         anneal, lambda_init = saved["anneal_steps"], saved["lambda_init"]
     else:
-        if out.exists() and any(out.iterdir()):
-            raise ValueError(f"{out} is not empty; pass --resume or choose another --out")
+        replace = check_output_directory(
+            out,
+            options.overwrite,
+            option="--out",
+            hint="pass --resume to continue a dex train run, --overwrite to replace it, or "
+            "choose another --out",
+        )
         lambda_init = parse_lambda_init(options.lambda_init)
         anneal = options.anneal_steps
         if anneal is None:
@@ -315,7 +334,22 @@ def train_dex(options: DexTrainOptions) -> DexTrainResult:
     )
     say(heads.format_table())
     say(f"held-out loss before Dex: {before:.4f}")
-    out.mkdir(parents=True, exist_ok=True)
+    if replace:  # every input is valid: the old contents go now, as a whole
+        clear_output_directory(out)
+    trainer = Trainer(
+        config,
+        out,
+        resume=options.resume,
+        progress=options.progress,
+        callbacks=dex_callbacks(),
+        data=data,
+        model_factory=dex_factory(source, heads, anneal, lambda_init),
+    )
+    t0 = time.perf_counter()
+    try:
+        trainer.build()  # applies the trainer's output checks before the run's files
+    except ConfigError as error:
+        raise ValueError(str(error)) from None
     if not options.resume:
         heads.save(out / HEADS_NAME)
         settings = {
@@ -327,17 +361,6 @@ def train_dex(options: DexTrainOptions) -> DexTrainResult:
             "overrides": list(options.overrides),
         }
         settings_path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
-
-    trainer = Trainer(
-        config,
-        out,
-        resume=options.resume,
-        progress=options.progress,
-        callbacks=dex_callbacks(),
-        data=data,
-        model_factory=dex_factory(source, heads, anneal, lambda_init),
-    )
-    t0 = time.perf_counter()
     try:
         result = trainer.run()
     except ConfigError as error:
@@ -408,7 +431,9 @@ def find_adapter(path: str | Path) -> Path:
     )
 
 
-def merge_run(adapter_or_run: str | Path, model: str, out: str | Path) -> Path:
+def merge_run(
+    adapter_or_run: str | Path, model: str, out: str | Path, overwrite: bool = False
+) -> Path:
     """Load the pretrained ``model``, apply the adapter, fold Dex into W_O
     (:func:`diffattn.dex.merge`) and write a plain model directory atomically: a Hugging Face
     directory (``save_pretrained`` + the tokenizer) loadable by stock transformers, or a
@@ -417,13 +442,16 @@ def merge_run(adapter_or_run: str | Path, model: str, out: str | Path) -> Path:
     from diffattn.dex.io import load_adapter
     from diffattn.dex.merge import merge
 
+    check_output_directory(
+        out, overwrite, option="--out", hint="choose another --out or pass --overwrite"
+    )
     adapter = find_adapter(adapter_or_run)
     source = resolve_source(model)
     base = load_model(source, dtype=torch.float32).train()
     check_supported(base, source)
     load_adapter(base, adapter, freeze=False)
     merged = merge(base).eval()
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, overwrite=overwrite) as tmp:
         if source.kind == "diffattn":
             write_model_files(merged, tmp)
         else:

@@ -23,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,29 @@ def save_checkpoint(
             copy_tokenizer_files(tokenizer_dir, tmp)
     prune(root, keep_last)
     return final
+
+
+def check_checkpoint_files(checkpoint: str | os.PathLike, diffattn_model: bool = True) -> None:
+    """Check that a checkpoint's files are complete without reading the tensors: every
+    safetensors header parses and its file has the size the header describes,
+    ``trainer_state.pt`` is a complete archive, and (``diffattn_model``) ``config.json`` is a
+    valid diffattn config. A cut-off or unreadable file raises a :class:`CheckpointError`
+    naming it."""
+    from diffattn.checkpoint import check_safetensors_files
+
+    checkpoint = Path(checkpoint)
+    state = checkpoint / TRAINER_STATE_NAME
+    try:
+        with zipfile.ZipFile(state) as archive:
+            archive.infolist()
+    except (OSError, zipfile.BadZipFile) as error:
+        raise CheckpointError(f"{state}: unreadable ({error})") from None
+    weights = sorted(checkpoint.glob("*.safetensors"))
+    if not weights:
+        raise CheckpointError(f"{checkpoint}: no .safetensors weights")
+    check_safetensors_files(weights)
+    if diffattn_model:
+        read_config(checkpoint)
 
 
 def load_trainer_state(checkpoint: str | os.PathLike) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The training command line: ``diffattn train CONFIG`` and ``python -m diffattn.train CONFIG``.
 
-``CONFIG [--steps N] [--out DIR] [--resume] [--set k=v ...] [--device D] [--quiet]``; the
+``CONFIG [--steps N] [--out DIR] [--resume | --resume-fallback | --overwrite] [--set k=v ...]
+[--device D] [--quiet]``; the
 same arguments under ``torchrun``. ``diffattn.commands.train`` exposes these to ``diffattn``.
 
 Exit codes: 0 done; 1 the run diverged (NaN/Inf loss, weights of the last good step kept);
@@ -41,6 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume", action="store_true", help="continue from the newest checkpoint in --out"
     )
+    parser.add_argument(
+        "--resume-fallback",
+        action="store_true",
+        help="like --resume, but when the newest checkpoint is cut off or unreadable, "
+        "continue from the newest valid one (says which, and what was skipped)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --out that holds another run (nothing of it is kept)",
+    )
     add_set_option(
         parser,
         "override a recipe entry, value parsed as YAML (e.g. --set optim.lr=3e-4 "
@@ -67,7 +79,14 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
     try:
         config = load_config(args.config, overrides)
-        result = train(config, out, resume=args.resume, progress=not args.quiet)
+        result = train(
+            config,
+            out,
+            resume=args.resume or args.resume_fallback,
+            progress=not args.quiet,
+            overwrite=args.overwrite,
+            resume_fallback=args.resume_fallback,
+        )
     except ConfigError as exc:
         error(str(exc))
         return 2

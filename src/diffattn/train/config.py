@@ -354,6 +354,23 @@ class TrainConfig:
 
 # ----------------------------------------------------------------------------------------
 # loading
+def yaml_error_text(error: Exception) -> str:
+    """A YAML parse error on one line: ``line L, column C: problem (context at line ...)``."""
+    mark = getattr(error, "problem_mark", None)
+    problem = " ".join(str(getattr(error, "problem", None) or error).split())
+    text = problem if mark is None else f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context = getattr(error, "context", None)
+    if context:
+        context_mark = getattr(error, "context_mark", None)
+        where = (
+            f" at line {context_mark.line + 1}, column {context_mark.column + 1}"
+            if context_mark is not None
+            else ""
+        )
+        text += f" ({' '.join(context.split())}{where})"
+    return text
+
+
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Read a YAML recipe, apply ``key.sub=value`` overrides, validate."""
     import yaml
@@ -362,9 +379,13 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     if not path.is_file():
         raise ConfigError("config", f"{path}: no such file")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError("config", f"{path}: cannot be read ({error})") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as error:
-        raise ConfigError("config", f"{path}: not valid YAML ({error})") from None
+        raise ConfigError("config", f"{path}: not valid YAML, {yaml_error_text(error)}") from None
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path}: expected a mapping at the top level")
@@ -386,7 +407,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as error:
-            raise ConfigError(key, f"cannot parse {raw!r} ({error})") from None
+            raise ConfigError(key, f"cannot parse {raw!r} ({yaml_error_text(error)})") from None
         parts = key.split(".")
         node = out
         for depth, part in enumerate(parts[:-1]):

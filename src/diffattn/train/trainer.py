@@ -61,7 +61,13 @@ from diffattn.config import ModelConfig
 from diffattn.model import DiffTransformerLM
 from diffattn.train import checkpoint as ckpt
 from diffattn.train import distributed
-from diffattn.train.config import ConfigError, TrainConfig, check_runtime, dump_config
+from diffattn.train.config import (
+    ConfigError,
+    TrainConfig,
+    check_runtime,
+    dump_config,
+    yaml_error_text,
+)
 from diffattn.train.metrics import LambdaProbe, MetricsLogger, Progress, SpikeDetector
 from diffattn.train.optim import LRSchedule, build_optimizer
 from diffattn.train.parallel import (
@@ -225,47 +231,124 @@ def _plain(value: Any) -> float:
 
 # ----------------------------------------------------------------------------------------
 # resume planning (rank 0 decides, every rank learns the answer)
-def _plan(config: TrainConfig, model_config: ModelConfig | None, out: Path, resume: bool):
-    """``(checkpoint or None, error (key, message) or None, notes)``.
+def _own_fresh_run(out: Path, config: TrainConfig) -> bool:
+    """True when ``out`` is this run's own directory from a start that saved no checkpoint:
+    its ``config.yaml`` is the resolved recipe of ``config``."""
+    copy = out / CONFIG_COPY_NAME
+    try:
+        return copy.is_file() and copy.read_text(encoding="utf-8") == dump_config(config)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _plan_output(config: TrainConfig, out: Path, overwrite: bool):
+    """The output-directory rule of a run that does not resume: ``(error or None, clear)``.
+
+    ``out`` must be absent or empty, or hold this same run's start without a checkpoint
+    (its ``config.yaml`` is this recipe), or be replaced with ``overwrite``. ``clear``: the
+    old contents are removed before the run writes anything."""
+    root = out / ckpt.CHECKPOINTS_DIRNAME
+    if not overwrite and out.is_dir() and ckpt.list_checkpoints(root):
+        return (
+            "out",
+            f"{out} already holds checkpoints; pass --resume to continue that run, "
+            "--overwrite to replace it, or choose another output directory",
+        ), False
+    try:
+        fileio.check_output_directory(
+            out,
+            overwrite,
+            own=_own_fresh_run(out, config),
+            hint="it holds files of another run; pass --resume to continue a run, "
+            "--overwrite to replace it, or choose another output directory",
+        )
+    except fileio.CheckpointError as error:
+        return ("out", str(error)), False
+    return None, out.is_dir() and any(out.iterdir())
+
+
+def _check_resume_candidate(path: Path, model_config: ModelConfig | None) -> str | None:
+    """Why the checkpoint ``path`` cannot be resumed from (its files are cut off or
+    unreadable), or ``None``; reads headers only, not the tensors."""
+    try:
+        ckpt.check_checkpoint_files(path, diffattn_model=model_config is not None)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _plan(
+    config: TrainConfig,
+    model_config: ModelConfig | None,
+    out: Path,
+    resume: bool,
+    overwrite: bool = False,
+    resume_fallback: bool = False,
+):
+    """``(checkpoint or None, error (key, message) or None, notes, clear output, fallback
+    messages)``.
 
     ``model_config=None`` marks a ``model_factory`` run: its checkpoints hold a state dict,
     not a diffattn model directory, and the other kind is refused."""
     import yaml
 
     root = out / ckpt.CHECKPOINTS_DIRNAME
+    if resume and overwrite:
+        return None, ("resume", "--resume and --overwrite exclude each other"), [], False, []
     if not resume:
-        if ckpt.list_checkpoints(root):
-            return (
-                None,
-                (
-                    "out",
-                    f"{out} already holds checkpoints; pass --resume to continue "
-                    "that run, or choose another output directory",
-                ),
-                [],
+        error, clear = _plan_output(config, out, overwrite)
+        return None, error, [], clear, []
+    found_all = [path for _, path in reversed(ckpt.list_checkpoints(root))]
+    if not found_all:
+        return (
+            None,
+            ("resume", f"no checkpoint found in {root}; start without --resume"),
+            [],
+            False,
+            [],
+        )
+    found, skipped = None, []
+    for candidate in found_all:
+        problem = _check_resume_candidate(candidate, model_config)
+        if problem is None:
+            found = candidate
+            break
+        if not resume_fallback:
+            message = (
+                f"the newest checkpoint is unusable: {problem}; pass --resume-fallback to "
+                "resume from the newest valid checkpoint instead"
             )
-        return None, None, []
-    found = ckpt.latest_checkpoint(root)
+            return None, ("resume", message), [], False, []
+        skipped.append(f"skipped {candidate.name}: {problem}")
     if found is None:
-        return None, ("resume", f"no checkpoint found in {root}; start without --resume"), []
+        message = f"no valid checkpoint in {root}: " + "; ".join(skipped)
+        return None, ("resume", message), [], False, []
+    fallback = [*skipped, f"resuming from {found}"] if skipped else []
     factory_checkpoint = (found / FACTORY_MARKER_NAME).is_file()
     if (model_config is None) != factory_checkpoint:
         kind = "a model_factory" if factory_checkpoint else "a preset"
-        return None, ("resume", f"the checkpoint {found} belongs to {kind} run"), []
+        return None, ("resume", f"the checkpoint {found} belongs to {kind} run"), [], False, []
     if model_config is not None:
         try:
             saved_model = ckpt.read_checkpoint_model_config(found)
         except ValueError as error:
-            return None, ("resume", str(error)), []
+            return None, ("resume", str(error)), [], False, []
         diffs = ckpt.model_config_differences(saved_model, model_config)
         if diffs:
             key = "model." + diffs[0].split(":", 1)[0]
             message = f"the checkpoint {found} has a different model: " + "; ".join(diffs)
-            return None, (key, message), []
+            return None, (key, message), [], False, []
     notes = []
     saved_path = found / ckpt.CONFIG_YAML_NAME
     if saved_path.is_file():
-        saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
+        try:
+            saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+            problem = yaml_error_text(error) if isinstance(error, yaml.YAMLError) else error
+            message = f"{saved_path}: not a readable YAML recipe ({problem})"
+            return None, ("resume", message), [], False, []
+        if not isinstance(saved, dict):
+            return None, ("resume", f"{saved_path}: not a recipe mapping"), [], False, []
         now = config.to_dict()
         for key in RESUME_FIXED_KEYS:
             if key in saved and saved[key] != now[key]:
@@ -278,12 +361,14 @@ def _plan(config: TrainConfig, model_config: ModelConfig | None, out: Path, resu
                         "global_batch_size and seed",
                     ),
                     [],
+                    False,
+                    [],
                 )
         for key in now:
             checked = key in RESUME_FREE_KEYS or key in RESUME_FIXED_KEYS or key == "model"
             if key in saved and not checked and saved[key] != now[key]:
                 notes.append(f"{key} changed since the checkpoint: {saved[key]!r} -> {now[key]!r}")
-    return found, None, notes
+    return found, None, notes, False, fallback
 
 
 # ----------------------------------------------------------------------------------------
@@ -295,6 +380,8 @@ def train(
     callbacks: Sequence[Callback] = (),
     data: Any | None = None,
     model_factory: Callable[[], nn.Module] | None = None,
+    overwrite: bool = False,
+    resume_fallback: bool = False,
 ) -> TrainResult:
     """Train ``config`` into ``out_dir``: ``Trainer(config, out_dir, ...).run()``.
 
@@ -308,6 +395,11 @@ def train(
             train several models on the same tokens; default: prepared from ``config.data``.
         model_factory: builds the model to train instead of ``config.model``'s preset
             (see the module docstring); called once, after seeding with ``config.seed``.
+        overwrite: replace a non-empty ``out_dir`` that holds another run (or this run's
+            checkpoints) instead of refusing it; its old contents are removed before the
+            run writes anything. Excludes ``resume``.
+        resume_fallback: with ``resume``, when the newest checkpoint's files are cut off or
+            unreadable, resume from the newest valid one (printed with the skipped ones).
 
     Raises:
         ConfigError: an invalid setting or resume request (before any file is written).
@@ -316,11 +408,13 @@ def train(
     trainer = Trainer(
         config,
         out_dir,
-        resume=resume,
+        resume=resume or resume_fallback,
         progress=progress,
         callbacks=callbacks,
         data=data,
         model_factory=model_factory,
+        overwrite=overwrite,
+        resume_fallback=resume_fallback,
     )
     return trainer.run()
 
@@ -352,10 +446,15 @@ class Trainer:
         callbacks: Sequence[Callback] = (),
         data: Any | None = None,
         model_factory: Callable[[], nn.Module] | None = None,
+        overwrite: bool = False,
+        resume_fallback: bool = False,
     ) -> None:
         self.config = config
         self.out = Path(out_dir)
-        self.resume = resume
+        self.resume = resume or resume_fallback
+        self.overwrite = overwrite
+        self.resume_fallback = resume_fallback
+        self.clear_output = False
         self.progress = progress
         self.callbacks = list(callbacks)
         self.data = data
@@ -419,12 +518,27 @@ class Trainer:
         self.main = env.is_main
         self.device = distributed.resolve_device(config.device, env)
         distributed.init_process_group(env, self.device)
-        plan = _plan(config, self.model_config, self.out, self.resume) if self.main else None
-        found, error, notes = distributed.broadcast_object(plan)
+        plan = (
+            _plan(
+                config,
+                self.model_config,
+                self.out,
+                self.resume,
+                self.overwrite,
+                self.resume_fallback,
+            )
+            if self.main
+            else None
+        )
+        found, error, notes, clear, fallback = distributed.broadcast_object(plan)
         if error is not None:
             raise ConfigError(*error)
         self.checkpoint_found = found
+        self.clear_output = clear
         self.notes: list[str] = list(notes)
+        if self.main:
+            for message in fallback:  # shown even with --quiet: the run differs from asked
+                print(f"diffattn train: {message}", file=sys.stderr, flush=True)
 
     def _build_data(self) -> None:
         """Prepare the data (rank 0 first, then the others from its cache)."""
@@ -572,6 +686,8 @@ class Trainer:
         self.checkpoint_root = out / ckpt.CHECKPOINTS_DIRNAME
         self.tokenizer_dir = None
         if self.main:
+            if self.clear_output:  # overwrite, or a restart of this run that saved nothing
+                fileio.clear_output_directory(out)
             out.mkdir(parents=True, exist_ok=True)
             fileio.remove_partial_writes(self.checkpoint_root)
             (out / CONFIG_COPY_NAME).write_text(dump_config(config), encoding="utf-8")
