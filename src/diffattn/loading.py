@@ -170,6 +170,9 @@ def load_model(
     directory's stored dtypes and loads the other kinds in float32. ``config_overrides``
     (diffattn directories only) replace config fields that do not change weights, e.g.
     ``backend="sdpa"``.
+
+    Every kind is refused with a :class:`~diffattn.fileio.CheckpointError` naming the first
+    tensor that holds NaN or infinite values (after the ``dtype`` cast).
     """
     if not isinstance(source, ModelSource):
         source = resolve_source(source, base=base)
@@ -187,8 +190,20 @@ def load_model(
 
         model = load_model(source.require_base())
         load_adapter(model, source.path, freeze=False)
-        return model.to(device=device, dtype=dtype).eval()
-    return _load_hf_model(source.model_dir, device, dtype)
+        model = model.to(device=device, dtype=dtype).eval()
+        _check_finite(model, source.path)
+        return model
+    model = _load_hf_model(source.model_dir, device, dtype)
+    _check_finite(model, source.path)
+    return model
+
+
+def _check_finite(model: Any, path: Path) -> None:
+    """Refuse NaN/Inf weights as a diffattn directory's loader does: one
+    :class:`~diffattn.fileio.CheckpointError` naming the first bad tensor."""
+    from diffattn.checkpoint import check_finite
+
+    check_finite(model.state_dict(), str(path))
 
 
 def _load_hf_model(directory: Path, device: Any, dtype: Any) -> Any:
