@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -227,6 +228,85 @@ def _hf_candidates(configs, device, dtype, seq_len) -> list[Candidate]:
             )
         )
     return out
+
+
+# --------------------------------------------------------------------------------------
+# memory needed, checked before anything is allocated
+# --------------------------------------------------------------------------------------
+GIB = 1024**3
+HF_ROWS = 2
+"""HF Llama and DiffLlama: about the baseline's and DIFF V1's sizes."""
+
+
+def estimate_memory(configs: dict[str, ModelConfig], args: argparse.Namespace) -> dict[str, int]:
+    """A lower bound on the bytes a bench run holds at its peak, from the configs alone.
+
+    ``weights``: every model under test stays resident (ours, plus HF Llama and DiffLlama
+    unless ``--no-hf``). ``step``: one forward+backward of the largest model needs at least
+    its gradients, the activations each layer saves (the normed input, Q/K/V, the attention
+    output and the residual, about ``6·d_model`` numbers per token, and the three SwiGLU
+    projections, ``3·d_ff``) and the fp32 logits with their gradient. Attention maps,
+    optimizer-free workspaces and allocator slack come on top, so the true need is higher.
+    """
+    from diffattn.model import count_parameters
+
+    width = torch.finfo(DTYPES[args.dtype]).bits // 8
+    params = {name: count_parameters(config) for name, config in configs.items()}
+    resident = sum(params.values())
+    if not args.no_hf:
+        resident += params["baseline"] + params["diff_v1"]
+    tokens = args.batch * args.seq_len
+    largest = max(params, key=params.get)
+    config = configs[largest]
+    saved = config.n_layers * tokens * (6 * config.d_model + 3 * config.ffn_dim) * width
+    logits = 2 * tokens * config.vocab_size * 4
+    step = params[largest] * width + saved + logits
+    return {"weights": resident * width, "step": step, "total": resident * width + step}
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes the device can still give: free CUDA memory, or the kernel's ``MemAvailable``
+    (else the physical memory) on CPU; ``None`` when it cannot be told."""
+    if device == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info()[0])
+        except (RuntimeError, AssertionError):
+            return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(configs: dict[str, ModelConfig], args: argparse.Namespace) -> str | None:
+    """The refusal of a size that cannot fit (naming the size and the need), or ``None``."""
+    need = estimate_memory(configs, args)
+    have = available_memory(args.device)
+    if have is None or need["total"] <= have:
+        return None
+    return (
+        f"d_model {args.d_model}, {args.layers} layers, vocab {args.vocab}, batch {args.batch} "
+        f"x seq_len {args.seq_len} ({args.dtype}) needs at least "
+        f"{need['total'] / GIB:,.1f} GiB (weights of the models {need['weights'] / GIB:,.1f} "
+        f"GiB, one forward+backward {need['step'] / GIB:,.1f} GiB), but {args.device} has "
+        f"{have / GIB:,.1f} GiB available; lower --d-model, --layers, --seq-len or --batch"
+    )
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    if isinstance(error, torch.OutOfMemoryError | MemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "DefaultCPUAllocator" in text or "out of memory" in text.lower()
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -446,9 +526,27 @@ def run(args: argparse.Namespace) -> int:
             configs = build_configs(args)
         except ValueError as error:
             problem = str(error)
+    if problem is None:
+        problem = check_memory(configs, args)
     if problem is not None:
         log(f"diffattn bench: error: {problem}")
         return 2
+    try:
+        return _run(args, configs, log)
+    except (RuntimeError, MemoryError) as error:
+        if not _out_of_memory(error):
+            raise
+        need = estimate_memory(configs, args)["total"]
+        first = " ".join(str(error).split())[:200]
+        log(
+            f"diffattn bench: error: out of memory at d_model {args.d_model}, {args.layers} "
+            f"layers, batch {args.batch} x seq_len {args.seq_len} (at least {need / GIB:,.1f} "
+            f"GiB estimated): {first}; lower --d-model, --layers, --seq-len or --batch"
+        )
+        return 2
+
+
+def _run(args: argparse.Namespace, configs: dict[str, ModelConfig], log) -> int:
 
     device, dtype = args.device, DTYPES[args.dtype]
     candidates = _our_candidates(configs, device, dtype, args.seq_len)
