@@ -82,6 +82,16 @@ def init_process_group(env: DistEnv, device: torch.device) -> bool:
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None:
+        # torchrun keeps one store across restarts (--max-restarts): without a prefix per
+        # attempt, a restarted group can read the addresses of the processes it replaced
+        store, rank, world = next(dist.rendezvous("env://"))
+        kwargs.update(
+            store=dist.PrefixStore(f"diffattn/attempt-{restart}/", store),
+            rank=rank,
+            world_size=world,
+        )
     dist.init_process_group(backend=backend, **kwargs)
     return True
 
