@@ -106,7 +106,8 @@ def test_config_maps_hf_names_and_validates():
     cfg = DiffAttnConfig(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, attention="diff_v1")
     assert cfg.hidden_size == 64
     assert cfg.num_hidden_layers == 3
-    assert cfg.num_attention_heads == 4
+    # output_attentions returns one map per head W_O reads: 2 differential heads of width 2d
+    assert cfg.num_attention_heads == 2
     assert cfg.num_key_value_heads == 2
     assert cfg.to_model_config() == tiny_config("diff_v1", n_layers=3, vocab_size=8192).replace(
         max_seq_len=2048

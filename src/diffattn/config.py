@@ -116,6 +116,10 @@ class ModelConfig:
     # -------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
         self._validate()
+        if self.head_dim is not None and self.head_dim * self.n_heads == self.d_model:
+            # An explicit head width equal to the default is the default: one spelling per
+            # model, so configs written with and without it compare equal.
+            object.__setattr__(self, "head_dim", None)
 
     def _fail(self, field_name: str, message: str) -> None:
         raise ValueError(f"ModelConfig.{field_name}: {message}")

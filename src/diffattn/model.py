@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from diffattn.attention import AttentionMaps, AttentionMask, build_attention
@@ -27,6 +28,10 @@ from diffattn.config import ModelConfig
 from diffattn.layers import RMSNorm, RotaryEmbedding, SwiGLU
 
 IGNORE_INDEX = -100
+
+
+def _checkpoint(block, *args):
+    return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
 
 
 @dataclass
@@ -91,6 +96,10 @@ class DiffTransformerLM(nn.Module):
         self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.rotary = RotaryEmbedding(config.dim_per_head, config.rope_theta, config.rope_style)
+        # Activation checkpointing of every block in training (set by the trainer, or by
+        # Hugging Face's gradient_checkpointing_enable, which also sets the function).
+        self.gradient_checkpointing = False
+        self._gradient_checkpointing_func = None
         if config.tie_embeddings:
             self.lm_head = None
         else:
@@ -149,10 +158,88 @@ class DiffTransformerLM(nn.Module):
             total -= self.embed_tokens.weight.numel()
         return total
 
+    def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is not None:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.d_model:
+                raise ValueError(
+                    f"inputs_embeds must have shape (batch, seq_len, {self.config.d_model}), "
+                    f"got {tuple(inputs_embeds.shape)}"
+                )
+            return inputs_embeds
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids must have shape (batch, seq_len), got {tuple(input_ids.shape)}"
+            )
+        return self.embed_tokens(input_ids)
+
+    def _mask_and_positions(self, attention_mask, cache, cache_position, past, bsz, n, device):
+        """The :class:`AttentionMask` of this call and the default RoPE positions."""
+        if cache_position is not None:
+            # Fixed shapes into a static buffer: slots come from a tensor and the mask spans
+            # the buffer, so no shape or Python int changes from one decode step to the next.
+            if not isinstance(cache, StaticCache):
+                raise ValueError("cache_position needs a StaticCache as past_key_values")
+            if cache_position.shape != (n,) or cache_position.dtype != torch.long:
+                raise ValueError(
+                    f"cache_position must be an int64 tensor of shape ({n},), one slot per "
+                    f"new token; got {cache_position.dtype} {tuple(cache_position.shape)}"
+                )
+            cache.set_cache_position(cache_position)
+            if attention_mask is None:
+                return AttentionMask(query_offset=cache_position[0]), cache_position.expand(bsz, n)
+            if attention_mask.shape != (bsz, cache.max_len):
+                raise ValueError(
+                    f"with cache_position, attention_mask must cover the static buffer: "
+                    f"expected {(bsz, cache.max_len)}, got {tuple(attention_mask.shape)}"
+                )
+            positions = position_ids_from_mask(attention_mask)[:, cache_position]
+            mask = AttentionMask(key_padding=attention_mask.bool(), query_offset=cache_position[0])
+            return mask, positions
+        default_positions = torch.arange(past, past + n, device=device).expand(bsz, n)
+        if attention_mask is None:
+            return AttentionMask(query_offset=past), default_positions
+        if attention_mask.dim() == 4:
+            return self._full_mask(attention_mask, cache, past, bsz, n), default_positions
+        if attention_mask.shape != (bsz, past + n):
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} does not "
+                f"match (batch, cached + new tokens) = {(bsz, past + n)}"
+            )
+        positions = position_ids_from_mask(attention_mask)[:, past:]
+        padding = attention_mask.bool()
+        if not torch.compiler.is_compiling() and bool(padding.all()):
+            padding = None
+        elif getattr(cache, "max_len", None) is not None:  # keys span a static buffer
+            padding = F.pad(padding, (0, cache.max_len - past - n), value=True)
+        return AttentionMask(key_padding=padding, query_offset=past), positions
+
+    @staticmethod
+    def _full_mask(attention_mask, cache, past, bsz, n) -> AttentionMask:
+        """A 4-D mask (boolean or additive) as an :class:`AttentionMask`."""
+        keys = past + n
+        shape = tuple(attention_mask.shape)
+        if shape[0] not in (1, bsz) or shape[1] != 1 or shape[2] != n or shape[3] != keys:
+            raise ValueError(
+                f"a 4-D attention_mask must have shape ({bsz} or 1, 1, {n}, {keys}) "
+                f"(batch, 1, new tokens, cached + new tokens), got {shape}"
+            )
+        if attention_mask.dtype == torch.bool:
+            allowed = attention_mask
+        else:
+            allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+        q_pos = torch.arange(n, device=allowed.device)[:, None] + past
+        diagonal = torch.arange(keys, device=allowed.device)[None, :] == q_pos
+        allowed = allowed | (diagonal & ~allowed.any(-1, keepdim=True))
+        if getattr(cache, "max_len", None) is not None:  # keys span a static buffer
+            allowed = F.pad(allowed, (0, cache.max_len - keys), value=False)
+        return AttentionMask(query_offset=past, allowed=allowed)
+
     # ------------------------------------------------------------------------------------
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         output_attentions: bool = False,
@@ -160,14 +247,19 @@ class DiffTransformerLM(nn.Module):
         past_key_values: DynamicCache | StaticCache | None = None,
         use_cache: bool = False,
         cache_position: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """Run the model.
 
         Args:
             input_ids: ``(B, N)`` token ids (only the new tokens when a cache is given).
-            attention_mask: optional, 1 for real tokens and 0 for padding (left or right);
-                ``(B, cached + N)``, covering the cached tokens too. Real tokens get the
-                outputs they would get without padding.
+            attention_mask: optional. 2-D ``(B, cached + N)``: 1 for real tokens and 0 for
+                padding (left or right), covering the cached tokens too; real tokens get the
+                outputs they would get without padding. 4-D ``(B or 1, 1, N, cached + N)``: the
+                full mask (custom masks, packed sequences), boolean (``True`` = may attend) or
+                additive float (0 = may attend, the dtype's minimum = may not); a row that may
+                attend to nothing reads its own position.
             labels: optional ``(B, N)``; the loss predicts ``labels[:, 1:]`` from positions
                 ``:-1``; ``-100`` is ignored (set it on padding).
             output_attentions: also return the per-layer maps. This computes attention with
@@ -181,12 +273,12 @@ class DiffTransformerLM(nn.Module):
                 decoding, e.g. a compiled decode step). ``attention_mask`` is then ``None`` or
                 ``(B, cache.max_len)``, covering the whole buffer (slots after the new tokens
                 are ignored), and nothing is read back from the device.
+            inputs_embeds: ``(B, N, d_model)`` instead of ``input_ids`` (soft prompts).
+            position_ids: optional ``(B or 1, N)`` RoPE positions; by default they count the
+                real tokens (2-D masks) or run on from the cache length.
         """
-        if input_ids.dim() != 2:
-            raise ValueError(
-                f"input_ids must have shape (batch, seq_len), got {tuple(input_ids.shape)}"
-            )
-        bsz, n = input_ids.shape
+        x = self._embed(input_ids, inputs_embeds)
+        bsz, n = x.shape[:2]
         cache = past_key_values
         if cache is None and use_cache:
             cache = DynamicCache()
@@ -196,51 +288,30 @@ class DiffTransformerLM(nn.Module):
                 f"sequence length {past + n} exceeds max_seq_len="
                 f"{self.config.max_seq_len} of this model"
             )
-        if cache_position is not None:
-            # Fixed shapes into a static buffer: slots come from a tensor and the mask spans
-            # the buffer, so no shape or Python int changes from one decode step to the next.
-            if not isinstance(cache, StaticCache):
-                raise ValueError("cache_position needs a StaticCache as past_key_values")
-            if cache_position.shape != (n,) or cache_position.dtype != torch.long:
+        mask, positions = self._mask_and_positions(
+            attention_mask, cache, cache_position, past, bsz, n, x.device
+        )
+        if position_ids is not None:
+            if (
+                position_ids.dim() != 2
+                or position_ids.shape[1] != n
+                or position_ids.shape[0] not in (1, bsz)
+            ):
                 raise ValueError(
-                    f"cache_position must be an int64 tensor of shape ({n},), one slot per "
-                    f"new token; got {cache_position.dtype} {tuple(cache_position.shape)}"
+                    f"position_ids must have shape ({bsz}, {n}) or (1, {n}), "
+                    f"got {tuple(position_ids.shape)}"
                 )
-            if attention_mask is None:
-                positions, padding = cache_position.expand(bsz, n), None
-            elif attention_mask.shape != (bsz, cache.max_len):
-                raise ValueError(
-                    f"with cache_position, attention_mask must cover the static buffer: "
-                    f"expected {(bsz, cache.max_len)}, got {tuple(attention_mask.shape)}"
-                )
-            else:
-                positions = position_ids_from_mask(attention_mask)[:, cache_position]
-                padding = attention_mask.bool()
-            mask = AttentionMask(key_padding=padding, query_offset=cache_position[0])
-            cache.set_cache_position(cache_position)
-        elif attention_mask is not None:
-            if attention_mask.shape != (bsz, past + n):
-                raise ValueError(
-                    f"attention_mask shape {tuple(attention_mask.shape)} does not "
-                    f"match (batch, cached + new tokens) = {(bsz, past + n)}"
-                )
-            positions = position_ids_from_mask(attention_mask)[:, past:]
-            padding = attention_mask.bool()
-            if bool(padding.all()):
-                padding = None
-            elif getattr(cache, "max_len", None) is not None:  # keys span a static buffer
-                padding = F.pad(padding, (0, cache.max_len - past - n), value=True)
-            mask = AttentionMask(key_padding=padding, query_offset=past)
-        else:
-            positions = torch.arange(past, past + n, device=input_ids.device).expand(bsz, n)
-            mask = AttentionMask(query_offset=past)
-
-        x = self.embed_tokens(input_ids)
+            positions = position_ids.to(x.device).expand(bsz, n)
         rope = self.rotary(positions)
         hidden = [x] if output_hidden_states else None
         maps = [] if output_attentions else None
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.layers:
-            x, layer_maps = block(x, rope, mask, output_attentions, cache)
+            if checkpointing:
+                run = self._gradient_checkpointing_func or _checkpoint
+                x, layer_maps = run(block, x, rope, mask, output_attentions, cache)
+            else:
+                x, layer_maps = block(x, rope, mask, output_attentions, cache)
             if output_attentions:
                 maps.append(layer_maps)
             if output_hidden_states:
@@ -254,10 +325,10 @@ class DiffTransformerLM(nn.Module):
 
         loss = None
         if labels is not None:
-            if labels.shape != input_ids.shape:
+            if labels.shape != (bsz, n):
                 raise ValueError(
                     f"labels shape {tuple(labels.shape)} does not match "
-                    f"input_ids shape {tuple(input_ids.shape)}"
+                    f"the input's (batch, seq_len) = {(bsz, n)}"
                 )
             loss = F.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]).float(),

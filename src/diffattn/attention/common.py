@@ -55,6 +55,12 @@ def project_qkv(module, x, rope, cache, q_heads: int, k_heads: int, v_heads: int
     return q, k, v
 
 
+def _rows_of(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Blocks of rows as one tensor; a single block is returned itself (the tensor the output
+    was computed from, so gradients reach it)."""
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+
+
 def with_maps(layer: int, need_weights: bool, attend, /, *args, **kwargs):
     """``attend(*args, **kwargs)`` and, with ``need_weights``, the layer's maps.
 
@@ -69,10 +75,10 @@ def with_maps(layer: int, need_weights: bool, attend, /, *args, **kwargs):
     with observing(recorder):
         out = attend(*args, **kwargs)
     events = recorder.take(layer)
-    applied = torch.cat([e.applied for e in events], dim=2)
+    applied = _rows_of([e.applied for e in events])
     if "a" in events[0].probs:
         return out, AttentionMaps(diff=applied)
-    a1 = torch.cat([e.probs["a1"] for e in events], dim=2)
-    a2 = torch.cat([e.probs["a2"] for e in events], dim=2)
-    lam = events[0].lam if events[0].lam.dim() == 0 else torch.cat([e.lam for e in events], 2)
+    a1 = _rows_of([e.probs["a1"] for e in events])
+    a2 = _rows_of([e.probs["a2"] for e in events])
+    lam = events[0].lam if events[0].lam.dim() == 0 else _rows_of([e.lam for e in events])
     return out, AttentionMaps(diff=applied, a1=a1, a2=a2, lam=lam.detach())

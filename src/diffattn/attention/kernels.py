@@ -49,6 +49,14 @@ __all__ = [
 ]
 
 
+def _backend_for(name: str, q: torch.Tensor, mask: AttentionMask):
+    chosen = get_backend(resolve_backend(name, q))
+    if mask.allowed is not None and not chosen.custom_masks:
+        log_once(chosen.name, "custom_masks", "takes no 4-D masks; sdpa runs those calls")
+        return get_backend("sdpa")
+    return chosen
+
+
 def softmax_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -67,7 +75,7 @@ def softmax_attention(
     if observers:
         call = observe.ObservedCall("softmax", layer, mask, scale, observers)
         return observe.observed_softmax(call, q, k, v), None
-    return get_backend(resolve_backend(backend, q)).softmax(q, k, v, mask, scale), None
+    return _backend_for(backend, q, mask).softmax(q, k, v, mask, scale), None
 
 
 def differential_attention(
@@ -97,7 +105,7 @@ def differential_attention(
     if observers:
         call = observe.ObservedCall("diff_v1", layer, mask, scale, observers)
         return observe.observed_diff_v1(call, q1, q2, k1, k2, v, lam), None
-    chosen = get_backend(resolve_backend(backend, q1))
+    chosen = _backend_for(backend, q1, mask)
     if chosen.diff_v1 is not None:
         return chosen.diff_v1(q1, q2, k1, k2, v, lam, mask, scale), None
     log_once(chosen.name, "diff_v1", "no DIFF V1 entry point; composing two softmax calls")
@@ -125,7 +133,7 @@ def differential_attention_v2(
     if observers:
         call = observe.ObservedCall("diff_v2", layer, mask, scale, observers)
         return observe.observed_diff_v2(call, q, k, v, lam, paired)
-    chosen = get_backend(resolve_backend(backend, q))
+    chosen = _backend_for(backend, q, mask)
     if chosen.diff_v2 is not None:
         return chosen.diff_v2(q, k, v, lam, mask, scale, paired)
     log_once(chosen.name, "diff_v2", "no DIFF V2 entry point; composing it from softmax")

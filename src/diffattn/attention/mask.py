@@ -26,6 +26,9 @@ class AttentionMask:
 
     key_padding: torch.Tensor | None = None
     query_offset: int | torch.Tensor = 0
+    allowed: torch.Tensor | None = None
+    """A full boolean mask ``(B or 1, 1, N, S)`` (custom masks, packed sequences); when set it
+    replaces the causal and padding rule."""
 
     def dense(
         self, n_queries: int, n_keys: int, device: torch.device, row_start: int = 0
@@ -35,6 +38,8 @@ class AttentionMask:
         ``row_start`` selects query rows ``row_start … row_start + n_queries − 1`` of the call,
         so blocked kernels build the mask of one block of rows at a time.
         """
+        if self.allowed is not None:
+            return self.allowed[:, :, row_start : row_start + n_queries].to(device)
         q_pos = torch.arange(n_queries, device=device)[:, None] + (self.query_offset + row_start)
         k_pos = torch.arange(n_keys, device=device)[None, :]
         causal = k_pos <= q_pos
@@ -49,3 +54,15 @@ def expand_kv(x: torch.Tensor, n_query_heads: int) -> torch.Tensor:
     """Repeat KV heads so query head ``m`` reads KV head ``m // (Hq / Hkv)`` (the GQA rule)."""
     rep = n_query_heads // x.shape[1]
     return x if rep == 1 else x.repeat_interleave(rep, dim=1)
+
+
+def read_self_on_padding(out: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """Give padding query rows the output the masking rule defines: their own value.
+
+    For kernels that let padding rows read other keys (the cheap causal paths); real rows are
+    unchanged. ``out`` ``(B, Hq, N, dv)``, ``v`` ``(B, Hkv, S, dv)``, integer query offset.
+    """
+    n, offset = out.shape[2], int(mask.query_offset)
+    real = mask.key_padding[:, offset : offset + n].to(device=out.device, dtype=torch.bool)
+    own = expand_kv(v[:, :, offset : offset + n], out.shape[1])
+    return torch.where(real[:, None, :, None], out, own.to(out.dtype))

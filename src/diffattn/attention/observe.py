@@ -89,6 +89,9 @@ class AttentionObserver:
 
     #: query rows per block; lower it to save memory, raise it for speed.
     block_rows: int = 512
+    #: compute the output from the applied map (``(A1 − λA2) V``), so that gradients reach the
+    #: map an observer hands out (gradient attribution); equal to ``o1 − λ o2`` up to rounding.
+    output_from_applied: bool = False
 
     def observes(self, layer: int) -> bool:
         """Whether attention of ``layer`` should run observed."""
@@ -158,6 +161,10 @@ class ObservedCall:
     source: str = "diffattn"
     dense_mask: Callable[[int, int], torch.Tensor] | None = field(default=None, repr=False)
     """For foreign masks: ``dense_mask(row_start, rows)`` → allowed ``(B|1, 1, R, S)``."""
+
+
+def _from_applied(call: ObservedCall) -> bool:
+    return any(o.output_from_applied for o in call.observers)
 
 
 def _rows(n: int, observers) -> list[tuple[int, int]]:
@@ -239,8 +246,11 @@ def observed_diff_v1(call: ObservedCall, q1, q2, k1, k2, v, lam) -> torch.Tensor
         args = (call.mask, call.scale, start, call.layer, call.observers)
         b1 = _attend_block(q1[:, :, start:end], k1, v1, *args)
         b2 = _attend_block(q2[:, :, start:end], k2, v2, *args)
-        outs.append(b1.out - lam.to(b1.out.dtype) * b2.out)
         applied = b1.probs - lam * b2.probs
+        if _from_applied(call):
+            outs.append(torch.matmul(applied, v1.float()).to(b1.out.dtype))
+        else:
+            outs.append(b1.out - lam.to(b1.out.dtype) * b2.out)
         _emit(
             call,
             start,
@@ -262,11 +272,15 @@ def observed_diff_v2(call: ObservedCall, q, k, v, lam, paired: bool) -> torch.Te
     for start, b in _blocks(call, q, k, v):
         o1, o2 = pair_heads(b.out, paired)
         lam_rows = None if lam is None else lam[:, :, start : start + b.out.shape[2]]
-        outs.append(o1 - o2 if lam_rows is None else o1 - lam_rows.to(o2.dtype) * o2)
         a1, a2 = pair_heads(b.probs, paired)
         l1, l2 = pair_heads(b.logits, paired)
         lam_map = torch.ones_like(a1[..., :1]) if lam_rows is None else lam_rows.float()
         applied = a1 - lam_map * a2
+        if paired and _from_applied(call):  # a pair shares its K/V group, so one V serves
+            v_pairs = expand_kv(v, q.shape[1])[:, 0::2]
+            outs.append(torch.matmul(applied, v_pairs.float()).to(o1.dtype))
+        else:
+            outs.append(o1 - o2 if lam_rows is None else o1 - lam_rows.to(o2.dtype) * o2)
         logits, probs = {"a1": l1, "a2": l2}, {"a1": a1, "a2": a2}
         _emit(call, start, q.shape[2], logits, probs, applied, lam_map, b.allowed, v)
     return torch.cat(outs, dim=2)
@@ -278,8 +292,11 @@ def observed_diff_v2(call: ObservedCall, q, k, v, lam, paired: bool) -> torch.Te
 class MapRecorder(AttentionObserver):
     """Keeps the full maps of the layers it watches (what ``output_attentions`` returns).
 
-    The maps keep their autograd graph, so gradient attribution through them works.
+    The maps keep their autograd graph and the layer's output is computed from the applied map,
+    so gradients reach the returned maps (gradient attribution).
     """
+
+    output_from_applied = True
 
     def __init__(self, layers: set[int] | None = None, block_rows: int = 1 << 30) -> None:
         self.layers = layers

@@ -52,6 +52,7 @@ class Backend:
         unusable: ``unusable(q)`` returns why the backend cannot run on tensors like ``q``
             (device, dtype, missing package), or ``None`` when it can.
         hf_name: the Hugging Face ``attn_implementation`` this backend answers to, if any.
+        custom_masks: see the field.
         description: one line for listings and docs.
     """
 
@@ -62,6 +63,9 @@ class Backend:
     unusable: Callable[[torch.Tensor], str | None] | None = None
     hf_name: str | None = None
     description: str = ""
+    custom_masks: bool = True
+    """Whether the kernels take a full 4-D mask (``AttentionMask.allowed``); calls with one go
+    to ``sdpa`` otherwise."""
 
     @classmethod
     def from_softmax(cls, name: str, softmax: SoftmaxFn, **fields) -> Backend:

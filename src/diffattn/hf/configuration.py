@@ -34,7 +34,6 @@ class DiffAttnConfig(PretrainedConfig):
     attribute_map = {  # noqa: RUF012 (HF reads this class attribute)
         "hidden_size": "d_model",
         "num_hidden_layers": "n_layers",
-        "num_attention_heads": "n_heads",
         "max_position_embeddings": "max_seq_len",
         "intermediate_size": "ffn_dim",
         "rms_norm_eps": "norm_eps",
@@ -51,10 +50,25 @@ class DiffAttnConfig(PretrainedConfig):
         model_config = ModelConfig.from_dict(fields)  # validates; names bad keys and values
         for name in _FIELDS:
             setattr(self, name, getattr(model_config, name))
+        if self.head_dim is None:  # HF reads head_dim; state it, it is the same model
+            self.head_dim = model_config.dim_per_head
         kwargs["tie_word_embeddings"] = model_config.tie_embeddings
+        kwargs.pop("num_attention_heads", None)  # derived, see the property
+        self.use_cache = kwargs.pop("use_cache", True)
         super().__init__(**kwargs)
 
     # HF reads these standard names; they are derived from the ModelConfig fields.
+    @property
+    def num_attention_heads(self) -> int:
+        """Heads whose maps ``output_attentions`` returns: the heads W_O reads (``n_heads``
+        for the baseline and DIFF V2, ``n_heads / 2`` differential heads for DIFF V1)."""
+        return self.to_model_config().n_output_heads
+
+    @num_attention_heads.setter
+    def num_attention_heads(self, value: int) -> None:
+        factor = 2 if getattr(self, "attention", "baseline") == "diff_v1" else 1
+        self.n_heads = int(value) * factor
+
     @property
     def num_key_value_heads(self) -> int:
         return self.to_model_config().num_kv_heads
@@ -87,3 +101,17 @@ class DiffAttnConfig(PretrainedConfig):
         if name in ("ffn_dim", "num_key_value_heads"):
             raise AttributeError(f"DiffAttnConfig.{name} is derived; set the ModelConfig fields")
         super().__setattr__(name, value)
+
+
+def _register() -> None:
+    """Make ``AutoConfig`` know ``model_type: diffattn`` as soon as this class exists, and
+    bring in the model class, which registers itself with ``AutoModelForCausalLM``."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    AutoConfig.register(DiffAttnConfig.model_type, DiffAttnConfig, exist_ok=True)
+    importlib.import_module("diffattn.hf.modeling")
+
+
+_register()

@@ -13,7 +13,9 @@ as two width-d heads (an exact reshape) and reassembles them on read. diffattn's
 (:mod:`diffattn.cache`) need no reshaping and are the faster choice for V1.
 
 Positions are derived from ``attention_mask`` (the running count of real tokens), as in
-:class:`~diffattn.model.DiffTransformerLM`; ``position_ids`` is accepted and ignored.
+:class:`~diffattn.model.DiffTransformerLM`, unless ``position_ids`` are given. ``inputs_embeds``,
+4-D attention masks (custom masks, packed sequences), ``return_dict=False``,
+``resize_token_embeddings`` and ``gradient_checkpointing_enable`` behave as in HF's own models.
 ``output_attentions=True`` returns the differential maps (A1 − λA2 for DIFF V1/V2), i.e. the
 matrices that multiply V, not the raw softmax maps; ``attention_maps`` holds A1, A2 and λ too.
 
@@ -25,6 +27,7 @@ Attention backend: ``attn_implementation`` chooses diffattn's run-time backend: 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +39,22 @@ from diffattn.attention.common import AttentionMaps
 from diffattn.attention.registry import backend_for_hf
 from diffattn.hf.configuration import DiffAttnConfig
 from diffattn.model import DiffTransformerLM
+
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
+
+
+def refuse_pickle_only(path: Any, subfolder: str = "") -> None:
+    """``ValueError`` when a local model directory holds pickle weights and no safetensors."""
+    directory = Path(str(path)) / (subfolder or "")
+    if not directory.is_dir() or any(directory.glob("*.safetensors")):
+        return
+    found = [name for name in PICKLE_WEIGHTS if (directory / name).is_file()]
+    if found:
+        raise ValueError(
+            f"{directory}: refusing pickle weights {found[0]} (loading a pickle can run "
+            "arbitrary code); diffattn loads safetensors only, so save the model with "
+            "safe_serialization=True"
+        )
 
 
 @dataclass
@@ -65,7 +84,12 @@ class HFCacheAdapter:
 
     def __init__(self, cache: Any) -> None:
         self.cache = cache
-        max_shape = cache.get_max_cache_shape() if hasattr(cache, "get_max_cache_shape") else -1
+        if hasattr(cache, "get_max_length"):  # transformers 5
+            max_shape = cache.get_max_length(0)
+        elif hasattr(cache, "get_max_cache_shape"):
+            max_shape = cache.get_max_cache_shape()
+        else:
+            max_shape = -1
         # A pre-allocated HF cache returns buffers of max_shape keys (zeros past the length).
         self.max_len = int(max_shape) if max_shape is not None and max_shape > 0 else None
 
@@ -96,7 +120,7 @@ class DiffAttnPreTrainedModel(PreTrainedModel):
     config_class = DiffAttnConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _supports_sdpa = True
     _supports_flash_attn = True
     _no_split_modules = ["DecoderBlock"]  # noqa: RUF012
@@ -157,6 +181,24 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Linear | None:
         return self.model.lm_head
 
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.model.lm_head = new_embeddings
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Embedding:
+        """HF's resize; the diffattn model's own config follows the new vocabulary size."""
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        vocab = embeddings.weight.shape[0]
+        self.config.vocab_size = vocab
+        self.model.config = self.model.config.replace(vocab_size=vocab)
+        return embeddings
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any):
+        """HF's ``from_pretrained`` with weights from safetensors only (a pickle is refused)."""
+        refuse_pickle_only(pretrained_model_name_or_path, kwargs.get("subfolder", ""))
+        kwargs.setdefault("use_safetensors", True)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -173,10 +215,6 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Any,
     ) -> DiffAttnCausalLMOutput:
-        if inputs_embeds is not None:
-            raise ValueError("DiffAttnForCausalLM takes input_ids; inputs_embeds is not supported")
-        if input_ids is None:
-            raise ValueError("DiffAttnForCausalLM.forward needs input_ids")
         if use_cache is None:
             use_cache = getattr(self.config, "use_cache", True)
         if past_key_values is None and use_cache and not self.training:
@@ -196,13 +234,15 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             output_attentions=bool(output_attentions),
             output_hidden_states=bool(output_hidden_states),
             past_key_values=cache,
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
         )
         logits = out.logits
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]
         elif isinstance(logits_to_keep, torch.Tensor):
             logits = logits[:, logits_to_keep]
-        return DiffAttnCausalLMOutput(
+        output = DiffAttnCausalLMOutput(
             loss=out.loss,
             logits=logits,
             past_key_values=past_key_values,
@@ -210,6 +250,19 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             attentions=out.attentions,
             attention_maps=out.attention_maps,
         )
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        return output if return_dict else output.to_tuple()
+
+
+def _register() -> None:
+    """Make ``AutoModelForCausalLM`` build this class for ``DiffAttnConfig``."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.register(DiffAttnConfig, DiffAttnForCausalLM, exist_ok=True)
+
+
+_register()
 
 
 __all__ = [

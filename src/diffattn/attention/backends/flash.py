@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from diffattn.attention.backends.sdpa import match_head_widths, padding_kind
-from diffattn.attention.mask import AttentionMask
+from diffattn.attention.mask import AttentionMask, read_self_on_padding
 from diffattn.attention.registry import Backend, register_backend
 
 
@@ -38,6 +38,8 @@ def _flash_call(q, k, v, mask: AttentionMask, scale: float) -> torch.Tensor:
     s = k.shape[2]
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # flash wants (B, N, H, d)
     # flash-attn aligns causal masks bottom-right, which matches query_offset = S - N.
+    if mask.allowed is not None:
+        raise RuntimeError("flash backend takes causal and padding masks only, not 4-D masks")
     if mask.key_padding is None or bool(mask.key_padding.all()):
         if mask.query_offset not in (0, s - n):
             raise RuntimeError("flash backend needs query_offset == S - N")
@@ -65,7 +67,7 @@ def _flash_call(q, k, v, mask: AttentionMask, scale: float) -> torch.Tensor:
     )
     out = qt.new_zeros(bsz, n, q.shape[1], v.shape[-1])
     out[q_real] = out_packed
-    return out.transpose(1, 2)
+    return read_self_on_padding(out.transpose(1, 2), v, mask)
 
 
 def flash_attention(
@@ -87,6 +89,7 @@ register_backend(
         flash_attention,
         unusable=_unusable,
         hf_name="flash_attention_2",
+        custom_masks=False,
         description="flash-attn 2 on CUDA in fp16/bf16 (var-len for padding)",
     )
 )

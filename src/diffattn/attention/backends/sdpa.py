@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from diffattn.attention.mask import AttentionMask
+from diffattn.attention.mask import AttentionMask, read_self_on_padding
 from diffattn.attention.registry import Backend, register_backend
 
 
@@ -69,14 +69,21 @@ def sdpa_attention(
 ) -> torch.Tensor:
     """Softmax attention through PyTorch SDPA (see the module docstring for masking)."""
     n, s = q.shape[2], k.shape[2]
-    if isinstance(mask.query_offset, torch.Tensor):
-        # Fixed-shape decoding (a compiled static-cache step): one dense mask, no host reads.
+    dense = (
+        isinstance(mask.query_offset, torch.Tensor)  # fixed-shape (compiled) decoding
+        or mask.allowed is not None  # a full custom mask
+        or (mask.key_padding is not None and torch.compiler.is_compiling())  # no host reads
+    )
+    if dense:
         return _sdpa(q, k, v, scale, attn_mask=mask.dense(n, s, q.device))
     kind = "none" if mask.key_padding is None else padding_kind(mask.key_padding)
     full_square = n == s and mask.query_offset == 0
-    if kind in ("none", "right") and full_square:
-        # Right padding: real tokens come first, so causal attention never reads a pad.
+    if kind == "none" and full_square:
         return _sdpa(q, k, v, scale, is_causal=True)
+    if kind == "right" and full_square:
+        # Real tokens come first, so causal attention never reads a pad; pad rows read
+        # themselves, as the masking rule says.
+        return read_self_on_padding(_sdpa(q, k, v, scale, is_causal=True), v, mask)
     if kind == "none" and n == 1 and mask.query_offset == s - 1:
         return _sdpa(q, k, v, scale)  # one decode step reads every cached key
     if kind == "left" and full_square:
@@ -85,7 +92,7 @@ def sdpa_attention(
         out = _sdpa(
             roll_rows(q, n_pad), roll_rows(k, n_pad), roll_rows(v, n_pad), scale, is_causal=True
         )
-        return roll_rows(out, (n - n_pad) % n)
+        return read_self_on_padding(roll_rows(out, (n - n_pad) % n), v, mask)
     return _sdpa(q, k, v, scale, attn_mask=mask.dense(n, s, q.device))
 
 
