@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
-from helpers import ATTENTIONS, tiny_config
 
 from diffattn.hf import DiffAttnConfig, DiffAttnForCausalLM
+from helpers import ATTENTIONS, tiny_config
 
 
 def _model(attention: str, **changes) -> DiffAttnForCausalLM:
