@@ -311,11 +311,15 @@ def write_model_files(
 
 
 def save_tokenizer(tokenizer: Any, directory: Path) -> None:
-    """Save an HF tokenizer (``save_pretrained``) or a ``tokenizers.Tokenizer`` beside a model."""
+    """Save a tokenizer beside a model: an HF tokenizer (``save_pretrained``), a
+    ``tokenizers.Tokenizer`` (written as ``tokenizer.json``) or a :mod:`diffattn.data`
+    tokenizer (whose ``save`` writes its files into a directory)."""
     if hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(str(directory))
-    elif hasattr(tokenizer, "save"):
+    elif type(tokenizer).__module__.split(".")[0] == "tokenizers":
         tokenizer.save(str(directory / "tokenizer.json"))
+    elif hasattr(tokenizer, "save"):
+        tokenizer.save(directory)
     else:
         raise TypeError(f"cannot save a tokenizer of type {type(tokenizer).__name__}")
 

@@ -1,0 +1,62 @@
+"""``diffattn eval <experiment> MODEL [--compare MODEL2 ...]``: the papers' measurements."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+
+DESCRIPTION = (
+    "Measure the papers' claims on any model: fine-grained loss, multi-needle retrieval, "
+    "activation outliers and quantization, head analyses. Writes results.json, report.md "
+    "and PNG figures to --out."
+)
+
+
+def experiments() -> list:
+    """The experiment modules that exist, in their listed order."""
+    from diffattn.eval import EXPERIMENTS
+
+    found = []
+    for name in EXPERIMENTS:
+        module_name = f"diffattn.eval.{name}"
+        if importlib.util.find_spec(module_name) is not None:
+            found.append(importlib.import_module(module_name))
+    return found
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from diffattn.eval.common import add_common_arguments
+
+    subparsers = parser.add_subparsers(dest="experiment", required=True, metavar="EXPERIMENT")
+    for module in experiments():
+        sub = subparsers.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        add_common_arguments(sub)
+        sub.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="replace a non-empty --out holding something else",
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(experiment_main=module.main)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from diffattn.eval.common import RESULTS_NAME
+    from diffattn.fileio import check_output_directory, clear_output_directory, read_json
+
+    args.out = Path(args.out or f"runs/eval/{args.experiment}")
+    own = False
+    if (args.out / RESULTS_NAME).is_file():  # an earlier run of the same experiment
+        try:
+            own = read_json(args.out / RESULTS_NAME).get("experiment") == args.experiment
+        except ValueError:
+            own = False
+    if check_output_directory(
+        args.out, args.overwrite, own=own, option="--out", hint="pass --overwrite to replace it"
+    ):
+        clear_output_directory(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return int(args.experiment_main(args) or 0)

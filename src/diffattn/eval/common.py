@@ -1,0 +1,334 @@
+"""What every ``diffattn eval`` experiment shares: models, tokenizers, seeds, progress and the
+output directory.
+
+* Models (:func:`load_models`): ``MODEL`` is anything :mod:`diffattn.loading` resolves (a
+  diffattn directory; a Hugging Face Llama, Qwen2, Mistral or DiffLlama directory; the SmolLM2
+  GGUF; a Dex adapter or run directory); ``--dex ADAPTER`` applies a Dex adapter to it first;
+  ``--compare MODEL2 ...`` adds models evaluated the same way, side by side.
+* Output (:func:`write_outputs`): ``--out DIR`` receives ``results.json`` (the figures plus the
+  models, data fingerprint, seed, command and library version), ``report.md`` and PNG figures.
+* Runs are seeded (:func:`seed_everything`) and long loops show progress (:func:`progress`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import random
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+RESULTS_NAME = "results.json"
+REPORT_NAME = "report.md"
+
+
+class TextTokenizer:
+    """``encode`` / ``decode`` over a Hugging Face tokenizer or a ``tokenizers.Tokenizer``."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self._is_hf = hasattr(backend, "convert_ids_to_tokens")
+
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """Token ids of ``text``; ``special`` adds the tokens the tokenizer adds (e.g. BOS)."""
+        if self._is_hf:
+            return list(self.backend.encode(text, add_special_tokens=special))
+        return list(self.backend.encode(text, add_special_tokens=special).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids]
+        if self._is_hf:
+            return self.backend.decode(
+                ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        if self._is_hf:
+            return getattr(self.backend, "eos_token_id", None)
+        return None
+
+
+@dataclass
+class EvalModel:
+    """One model under evaluation.
+
+    Attributes:
+        name: a short label for tables and figures (unique among the models of a run).
+        spec: what was passed on the command line.
+        model: the model in eval mode on its device.
+        tokenizer: its tokenizer (``None`` when none is stored with it).
+        kind: ``diffattn``, ``hf``, ``gguf`` or ``dex``.
+        attention: ``baseline``, ``diff_v1``, ``diff_v2`` for diffattn models, else the
+            Hugging Face ``model_type`` (with ``+dex`` when Dex is applied).
+    """
+
+    name: str
+    spec: str
+    model: nn.Module
+    tokenizer: TextTokenizer | None
+    kind: str
+    attention: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_input_embeddings().weight.shape[0])
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "spec": self.spec,
+            "kind": self.kind,
+            "attention": self.attention,
+            "parameters": self.n_params,
+        }
+
+
+def _attention_of(model: nn.Module, kind: str) -> str:
+    config = getattr(model, "config", None)
+    attention = getattr(config, "attention", None) or getattr(config, "model_type", "unknown")
+    return f"{attention}+dex" if kind == "dex" else str(attention)
+
+
+def _unique_names(specs: Sequence[str]) -> list[str]:
+    names: list[str] = []
+    for spec in specs:
+        path = Path(spec)
+        parts = [p for p in path.parts if p not in ("/", ".")]
+        base = parts[-1] if parts else spec
+        name, depth = base, 2
+        while name in names and depth <= len(parts):
+            name = "/".join(parts[-depth:])
+            depth += 1
+        while name in names:
+            name += "'"
+        names.append(name)
+    return names
+
+
+def load_models(
+    specs: Sequence[str],
+    dex: str | None = None,
+    device: str = "cpu",
+    dtype: str = "fp32",
+) -> list[EvalModel]:
+    """Load every model of ``specs`` (the first gets ``dex`` applied when given)."""
+    from diffattn.loading import load_model_and_tokenizer
+
+    if not specs:
+        raise ValueError("no model given")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    device = resolve_device(device)
+    models = []
+    for i, (spec, name) in enumerate(zip(specs, _unique_names(specs), strict=True)):
+        if i == 0 and dex is not None:
+            model, tokenizer, source = load_model_and_tokenizer(
+                dex, device=device, dtype=DTYPES[dtype], base=spec
+            )
+            name = f"{name}+dex"
+        else:
+            model, tokenizer, source = load_model_and_tokenizer(
+                spec, device=device, dtype=DTYPES[dtype]
+            )
+        wrapped = TextTokenizer(tokenizer) if tokenizer is not None else None
+        models.append(
+            EvalModel(
+                name,
+                str(spec),
+                model.eval(),
+                wrapped,
+                source.kind,
+                _attention_of(model, source.kind),
+            )
+        )
+    return models
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` → ``cuda`` when available, else ``cpu``; ``cuda`` without CUDA is an error."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available on this machine")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"--device must be cpu, cuda or auto, got {device!r}")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def progress(
+    iterable: Iterable, total: int | None = None, desc: str = "", quiet: bool = False
+) -> Iterator:
+    """``iterable`` with a progress bar on stderr (tqdm when installed and not quiet)."""
+    if quiet:
+        yield from iterable
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield from iterable
+        return
+    yield from tqdm(
+        iterable, total=total, desc=desc, leave=False, file=sys.stderr, dynamic_ncols=True
+    )
+
+
+def fingerprint(value: Any) -> str:
+    """A short sha256 of ``value`` (tensors by their bytes, the rest as JSON)."""
+    digest = hashlib.sha256()
+    if isinstance(value, torch.Tensor):
+        digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    else:
+        digest.update(json.dumps(value, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready copy: tensors to lists, non-finite floats to None, paths to strings."""
+    if isinstance(value, torch.Tensor):
+        return _plain(value.detach().cpu().tolist())
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def write_outputs(
+    out: str | os.PathLike,
+    experiment: str,
+    results: dict[str, Any],
+    models: Sequence[EvalModel],
+    report: str,
+    settings: dict[str, Any],
+    data_fingerprint: str | None = None,
+    figures: Sequence[Path] = (),
+) -> Path:
+    """Write ``results.json`` and ``report.md`` into ``out`` (figures are already there).
+
+    ``results.json`` holds ``results`` plus the experiment, models, settings (seeds
+    included), data fingerprint, command line, library and torch versions.
+    """
+    from diffattn.version import __version__
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "experiment": experiment,
+        "models": [m.describe() for m in models],
+        "settings": settings,
+        "data_fingerprint": data_fingerprint,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "diffattn_version": __version__,
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "figures": [Path(f).name for f in figures],
+        "results": results,
+    }
+    tmp = out / f".{RESULTS_NAME}.tmp"
+    tmp.write_text(json.dumps(_plain(record), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out / RESULTS_NAME)
+    header = (
+        f"# diffattn eval {experiment}\n\n"
+        f"Command: `{record['command']}`  \n"
+        f"diffattn {__version__}, torch {torch.__version__}; data fingerprint "
+        f"`{data_fingerprint}`; settings `{json.dumps(_plain(settings), sort_keys=True)}`\n\n"
+        "| model | kind | attention | parameters |\n|---|---|---|---|\n"
+        + "".join(f"| {m.name} | {m.kind} | {m.attention} | {m.n_params:,} |\n" for m in models)
+        + "\n"
+    )
+    figure_lines = "".join(f"\n![{Path(f).stem}]({Path(f).name})\n" for f in figures)
+    (out / REPORT_NAME).write_text(header + report.rstrip() + "\n" + figure_lines, "utf-8")
+    return out / RESULTS_NAME
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A markdown table; floats get 4 significant digits."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return "—" if v != v else f"{v:.4g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def add_common_arguments(parser: Any) -> None:
+    """``MODEL``, ``--compare``, ``--dex``, ``--out``, ``--device``, ``--dtype``,
+    ``--batch-size``, ``--seed`` and ``--quiet``."""
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="diffattn or Hugging Face model directory, a .gguf file, smollm2, "
+        "or a Dex adapter/run directory",
+    )
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        default=[],
+        metavar="MODEL2",
+        help="more models evaluated the same way, side by side",
+    )
+    parser.add_argument("--dex", metavar="ADAPTER", help="apply this Dex adapter to MODEL first")
+    parser.add_argument("--out", help="output directory (default: runs/eval/<experiment>)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def models_from_args(args: Any) -> list[EvalModel]:
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    return load_models([args.model, *args.compare], args.dex, args.device, args.dtype)
+
+
+def batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def require_tokenizer(model: EvalModel) -> TextTokenizer:
+    if model.tokenizer is None:
+        raise ValueError(
+            f"{model.spec}: no tokenizer is stored with this model; this evaluation needs "
+            "one to build its prompts (save the model with its tokenizer)"
+        )
+    return model.tokenizer

@@ -1,0 +1,380 @@
+"""``diffattn eval loss``: validation loss with DIFF V1's fine-grained slices (Table 6, Fig 4).
+
+Every target token falls in one of two slices (after Zoology, which DIFF V1 §3.8 follows):
+
+* **AR-Hit**: the token completes an n-gram (``--ngram``, default 2: the bigram of the previous
+  token and this one) that already occurred earlier in the same context window. These are the
+  tokens a model can predict by retrieving from context (associative recall). With
+  ``--exclude-frequent K --train-data SPEC`` the K most frequent n-grams of the training data
+  are left out of AR-Hit (they are predictable without context) and counted with Others.
+* **Others**: every other target token.
+
+Documents are tokenized with each model's own tokenizer and cut into non-overlapping windows of
+``--seq-len`` tokens; each window is one context. By default only the held-out documents are
+read: those the trainer's document-level split puts in validation (same ``--valid-fraction``
+and ``--data-seed`` as ``data.valid_fraction`` and ``data.seed`` of the recipe), so the figures
+are on text the model did not train on.
+
+Cumulative NLL by position (DIFF V1 Fig 4, long-context evaluation): on documents at least
+``--seq-len`` tokens long, the mean NLL of positions 1…p of each document's first window,
+averaged over documents, for every p; plotted with a log-scaled position axis.
+
+Results per model (``results.json``): ``loss``, ``ar_hit``, ``others`` (mean NLL in nats),
+``counts`` (tokens per slice, windows, documents), ``loss_sem`` (standard error of ``loss``
+over windows), ``cumulative_nll`` (one value per position).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffattn.eval.common import (
+    EvalModel,
+    batches,
+    fingerprint,
+    markdown_table,
+    models_from_args,
+    progress,
+    require_tokenizer,
+    seed_everything,
+    write_outputs,
+)
+
+NAME = "loss"
+HELP = "validation loss with AR-Hit / Others slices and cumulative NLL by position (DIFF Tab 6)"
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument(
+        "--data",
+        nargs="+",
+        default=["stdlib"],
+        help="data specs as the trainer reads them (default: stdlib)",
+    )
+    parser.add_argument(
+        "--split",
+        choices=("valid", "all"),
+        default="valid",
+        help="held-out documents only (default) or every document",
+    )
+    parser.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=0.02,
+        help="the recipe's data.valid_fraction (default 0.02)",
+    )
+    parser.add_argument("--data-seed", type=int, default=0, help="the recipe's data.seed")
+    parser.add_argument("--seq-len", type=int, default=512, help="context window (tokens)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=200_000,
+        help="token budget over all windows (default 200,000)",
+    )
+    parser.add_argument("--ngram", type=int, default=2, help="n of AR-Hit n-grams (default 2)")
+    parser.add_argument(
+        "--exclude-frequent",
+        type=int,
+        default=0,
+        metavar="K",
+        help="leave the K most frequent training n-grams out of AR-Hit",
+    )
+    parser.add_argument(
+        "--train-data",
+        nargs="+",
+        default=None,
+        help="data specs to count frequent n-grams on (with --exclude-frequent)",
+    )
+
+
+def ar_hit_mask(
+    ids: Sequence[int], n: int = 2, exclude: set[tuple[int, ...]] | None = None
+) -> list[bool]:
+    """Per target position 1…L−1 of ``ids``: whether the token completes an n-gram seen
+    earlier in ``ids`` (and not in ``exclude``)."""
+    if n < 1:
+        raise ValueError(f"ngram must be at least 1, got {n}")
+    seen: set[tuple[int, ...]] = set()
+    hits = []
+    for i in range(1, len(ids)):
+        if i < n - 1:
+            hits.append(False)
+            continue
+        gram = tuple(ids[i - n + 1 : i + 1])
+        hits.append(gram in seen and not (exclude and gram in exclude))
+        seen.add(gram)
+    return hits
+
+
+def frequent_ngrams(token_lists: Iterable[Sequence[int]], n: int, k: int) -> set[tuple[int, ...]]:
+    """The ``k`` most frequent n-grams over ``token_lists``."""
+    counts: Counter = Counter()
+    for ids in token_lists:
+        counts.update(tuple(ids[i : i + n]) for i in range(len(ids) - n + 1))
+    return {gram for gram, _ in counts.most_common(k)}
+
+
+def documents(specs: Sequence[str], split: str, valid_fraction: float, seed: int) -> list[str]:
+    from diffattn.data import is_validation_document, iter_documents
+
+    docs = list(iter_documents(specs))
+    if split == "valid":
+        docs = [
+            d for d in docs if is_validation_document(d, seed=seed, valid_fraction=valid_fraction)
+        ]
+    if not docs:
+        raise ValueError(
+            f"no documents in {list(specs)} for split={split!r} "
+            f"(valid_fraction={valid_fraction}); use --split all or more data"
+        )
+    return docs
+
+
+def windows(
+    token_docs: Iterable[Sequence[int]], seq_len: int, max_tokens: int
+) -> tuple[list[list[int]], list[int]]:
+    """Non-overlapping windows of ``seq_len`` tokens (the last one of a document may be
+    shorter, at least 2 tokens), up to ``max_tokens``; and the document index of each."""
+    out, owner, total = [], [], 0
+    for d, ids in enumerate(token_docs):
+        for start in range(0, len(ids), seq_len):
+            piece = list(ids[start : start + seq_len])
+            if len(piece) < 2:
+                continue
+            if total + len(piece) > max_tokens:
+                return out, owner
+            out.append(piece)
+            owner.append(d)
+            total += len(piece)
+    return out, owner
+
+
+@torch.no_grad()
+def window_nll(
+    model: EvalModel, pieces: Sequence[Sequence[int]], batch_size: int, quiet: bool = True
+) -> list[torch.Tensor]:
+    """Per window, the ``(len − 1,)`` NLL of each target token (right padding, masked)."""
+    from diffattn.probe import token_nll
+
+    out: list[torch.Tensor] = []
+    groups = list(batches(pieces, batch_size))
+    for group in progress(groups, len(groups), f"loss {model.name}", quiet):
+        width = max(len(p) for p in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for row, piece in enumerate(group):
+            ids[row, : len(piece)] = torch.tensor(piece)
+            mask[row, : len(piece)] = 1
+        ids, mask = ids.to(model.device), mask.to(model.device)
+        logits = model.model(input_ids=ids, attention_mask=mask).logits
+        nll = token_nll(logits, ids, mask).cpu()
+        out.extend(nll[row, : len(piece) - 1] for row, piece in enumerate(group))
+    return out
+
+
+def evaluate_model(
+    model: EvalModel,
+    docs: Sequence[str],
+    seq_len: int,
+    max_tokens: int,
+    ngram: int,
+    batch_size: int,
+    exclude: set | None = None,
+    quiet: bool = True,
+) -> dict[str, Any]:
+    tokenizer = require_tokenizer(model)
+    token_docs = (tokenizer.encode(d) for d in docs)  # lazily: stops at the budget
+    limit = getattr(getattr(model.model, "config", None), "max_seq_len", None) or getattr(
+        getattr(model.model, "config", None), "max_position_embeddings", seq_len
+    )
+    if seq_len > limit:
+        raise ValueError(f"--seq-len {seq_len} exceeds {model.name}'s context of {limit} tokens")
+    pieces, owner = windows(token_docs, seq_len, max_tokens)
+    if not pieces:
+        raise ValueError("no window of at least 2 tokens; use more data or a larger budget")
+    nlls = window_nll(model, pieces, batch_size, quiet)
+    hit_sum = other_sum = 0.0
+    hit_n = other_n = 0
+    per_window = []
+    for piece, nll in zip(pieces, nlls, strict=True):
+        hits = torch.tensor(ar_hit_mask(piece, ngram, exclude))
+        hit_sum += float(nll[hits].double().sum())
+        other_sum += float(nll[~hits].double().sum())
+        hit_n += int(hits.sum())
+        other_n += int((~hits).sum())
+        per_window.append(float(nll.double().mean()))
+    total = hit_n + other_n
+    loss = (hit_sum + other_sum) / total
+    sem = (
+        float(torch.tensor(per_window).std() / math.sqrt(len(per_window)))
+        if len(per_window) > 1
+        else math.nan
+    )
+    return {
+        "loss": loss,
+        "loss_sem": sem,
+        "ar_hit": hit_sum / hit_n if hit_n else math.nan,
+        "others": other_sum / other_n if other_n else math.nan,
+        "counts": {
+            "ar_hit": hit_n,
+            "others": other_n,
+            "tokens": total,
+            "windows": len(pieces),
+            "documents": len(set(owner)),
+        },
+        "cumulative_nll": cumulative_nll(pieces, nlls, owner, seq_len),
+    }
+
+
+def cumulative_nll(pieces, nlls, owner, seq_len: int) -> list[float]:
+    """Mean over long documents' first windows of the running mean NLL at each position."""
+    firsts, seen = [], set()
+    for piece, nll, doc in zip(pieces, nlls, owner, strict=True):
+        if doc not in seen and len(piece) == seq_len:
+            firsts.append(nll.double())
+        seen.add(doc)
+    if not firsts:
+        return []
+    stacked = torch.stack(firsts)  # (docs, seq_len - 1)
+    running = stacked.cumsum(1) / torch.arange(1, stacked.shape[1] + 1)
+    return running.mean(0).tolist()
+
+
+def run(
+    models: Sequence[EvalModel],
+    data: Sequence[str] = ("stdlib",),
+    split: str = "valid",
+    valid_fraction: float = 0.02,
+    data_seed: int = 0,
+    seq_len: int = 512,
+    max_tokens: int = 200_000,
+    ngram: int = 2,
+    exclude_frequent: int = 0,
+    train_data: Sequence[str] | None = None,
+    batch_size: int = 8,
+    seed: int = 0,
+    quiet: bool = True,
+) -> dict[str, Any]:
+    """Fine-grained loss of every model on the same documents (see the module docstring)."""
+    if seq_len < 2 or max_tokens < 2 or batch_size < 1:
+        raise ValueError("--seq-len and --max-tokens must be at least 2, --batch-size at least 1")
+    if exclude_frequent and not train_data:
+        raise ValueError("--exclude-frequent needs --train-data to count n-grams on")
+    seed_everything(seed)
+    docs = documents(data, split, valid_fraction, data_seed)
+    results: dict[str, Any] = {
+        "models": {},
+        "documents": len(docs),
+        "data_fingerprint": fingerprint(docs),
+    }
+    for model in models:
+        exclude = None
+        if exclude_frequent:
+            tokenizer = require_tokenizer(model)
+            train_docs = documents(train_data, "all", valid_fraction, data_seed)
+            exclude = frequent_ngrams(
+                (tokenizer.encode(d) for d in train_docs), ngram, exclude_frequent
+            )
+        results["models"][model.name] = evaluate_model(
+            model, docs, seq_len, max_tokens, ngram, batch_size, exclude, quiet
+        )
+    return results
+
+
+def plot_cumulative(results: dict[str, Any], path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {n: r["cumulative_nll"] for n, r in results["models"].items() if r["cumulative_nll"]}
+    if not curves:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, curve in curves.items():
+        ax.plot(range(1, len(curve) + 1), curve, label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("position in document (tokens)")
+    ax.set_ylabel("cumulative mean NLL (nats)")
+    ax.set_title("Cumulative NLL by position (DIFF V1 Fig 4)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def report(results: dict[str, Any]) -> str:
+    rows = [
+        (
+            name,
+            r["loss"],
+            r["loss_sem"],
+            r["ar_hit"],
+            r["others"],
+            r["counts"]["ar_hit"],
+            r["counts"]["others"],
+            r["counts"]["windows"],
+        )
+        for name, r in results["models"].items()
+    ]
+    return (
+        "## Fine-grained validation loss (DIFF V1 Table 6)\n\n"
+        + markdown_table(
+            [
+                "model",
+                "loss",
+                "± s.e.",
+                "AR-Hit",
+                "Others",
+                "AR-Hit tokens",
+                "Other tokens",
+                "windows",
+            ],
+            rows,
+        )
+        + "\nNLL in nats per token; s.e. is the standard error of the mean over windows.\n"
+    )
+
+
+def main(args: Any) -> int:
+    models = models_from_args(args)
+    settings = {
+        k: getattr(args, k)
+        for k in (
+            "data",
+            "split",
+            "valid_fraction",
+            "data_seed",
+            "seq_len",
+            "max_tokens",
+            "ngram",
+            "exclude_frequent",
+            "train_data",
+            "batch_size",
+            "seed",
+        )
+    }
+    results = run(models, quiet=args.quiet, **settings)
+    figure = plot_cumulative(results, Path(args.out) / "cumulative_nll.png")
+    text = report(results)
+    write_outputs(
+        args.out,
+        NAME,
+        results,
+        models,
+        text,
+        settings,
+        results["data_fingerprint"],
+        [figure] if figure else [],
+    )
+    print(text)
+    print(f"wrote {Path(args.out) / 'results.json'}")
+    return 0
