@@ -118,13 +118,8 @@ def test_killed_rank_resumes_and_reproduces_losses(tmp_path, reference, fault_at
     _check_resumed(result, out, marker, expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="diffattn train --resume refuses an --out without checkpoints, so a command line "
-    "that torchrun relaunches after a failure cannot both start a run and resume it",
-)
 def test_same_command_line_starts_and_resumes_under_restarts(tmp_path, reference):
-    """``torchrun --max-restarts 1 ... --resume`` on an empty ``--out``: the first launch
+    """``torchrun --max-restarts 1 ... --auto-resume`` on an empty ``--out``: the first launch
     starts fresh, the relaunch after the kill resumes from the checkpoint of step 2."""
     recipe, expected = reference
     out, marker = tmp_path / "run", tmp_path / "fault-fired"
@@ -134,5 +129,5 @@ def test_same_command_line_starts_and_resumes_under_restarts(tmp_path, reference
         "FAULT_RANK": "1",
         "FAULT_STEP": "3",
     }
-    result = _launch(recipe, out, ["--resume"], env, restarts=1, timeout=120)
+    result = _launch(recipe, out, ["--auto-resume"], env, restarts=1, timeout=120)
     _check_resumed(result, out, marker, expected)

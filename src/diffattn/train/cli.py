@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "continue from the newest valid one (says which, and what was skipped)",
     )
     parser.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="resume when --out holds a checkpoint, else start fresh: one command line for "
+        "first launch and restarts (torchrun --max-restarts)",
+    )
+    parser.add_argument(
         "--overwrite",
         action="store_true",
         help="replace a non-empty --out that holds another run (nothing of it is kept)",
@@ -64,6 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _has_checkpoint(out: Path) -> bool:
+    """Whether ``out`` holds a checkpoint to resume from (every rank sees the same answer:
+    nothing is written before the run's plan is made)."""
+    from diffattn.train.checkpoint import CHECKPOINTS_DIRNAME, latest_checkpoint
+
+    return latest_checkpoint(out / CHECKPOINTS_DIRNAME) is not None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``diffattn train``; returns the exit code."""
     from diffattn.train import ConfigError, TrainingDiverged, load_config, shutdown, train
@@ -77,12 +91,13 @@ def run(args: argparse.Namespace) -> int:
     if args.device is not None:
         overrides.append(f"device={args.device}")
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    resume = args.resume or args.resume_fallback or (args.auto_resume and _has_checkpoint(out))
     try:
         config = load_config(args.config, overrides)
         result = train(
             config,
             out,
-            resume=args.resume or args.resume_fallback,
+            resume=resume,
             progress=not args.quiet,
             overwrite=args.overwrite,
             resume_fallback=args.resume_fallback,
