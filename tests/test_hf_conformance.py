@@ -198,3 +198,14 @@ def test_pickle_weights_are_refused_on_the_hf_path(tmp_path):
     with pytest.raises(ValueError, match=r"pickle.*pytorch_model\.bin.*safetensors") as error:
         AutoModelForCausalLM.from_pretrained(tmp_path)
     assert "\n" not in str(error.value)
+
+
+def test_from_pretrained_names_a_truncated_safetensors_file(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _model("diff_v2").save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"model\.safetensors") as error:
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert "\n" not in str(error.value)

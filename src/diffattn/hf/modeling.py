@@ -44,9 +44,16 @@ PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt
 
 
 def refuse_pickle_only(path: Any, subfolder: str = "") -> None:
-    """``ValueError`` when a local model directory holds pickle weights and no safetensors."""
+    """``ValueError`` when a local model directory holds pickle weights and no safetensors,
+    or a safetensors file that is cut off or corrupt (named)."""
     directory = Path(str(path)) / (subfolder or "")
-    if not directory.is_dir() or any(directory.glob("*.safetensors")):
+    if not directory.is_dir():
+        return
+    weights = sorted(directory.glob("*.safetensors"))
+    if weights:
+        from diffattn.checkpoint import check_safetensors_files
+
+        check_safetensors_files(weights)
         return
     found = [name for name in PICKLE_WEIGHTS if (directory / name).is_file()]
     if found:
