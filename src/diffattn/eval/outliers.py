@@ -1,0 +1,332 @@
+"""``diffattn eval outliers``: activation outliers and low-bit attention logits (DIFF V1 Table 5,
+Fig 8).
+
+* **Outliers** (Table 5): the top-1/2/3/10/100 and the median of |attention logits| (the
+  scaled pre-softmax logits of every layer, both maps of DIFF pooled, only entries a real query
+  may attend) and of |hidden states| (every entry of each layer's output at real tokens),
+  streamed over ``--max-tokens`` tokens of held-out documents cut into ``--seq-len`` windows.
+  The median is read off a log-spaced histogram (to within 1.8%; see
+  :class:`diffattn.probe.RunningStats`).
+* **Quantized attention logits** (Fig 8): the loss with the logits of every layer quantized to
+  ``--bits`` bits inside attention (16 = unquantized), through the probe's
+  :class:`~diffattn.probe.LogitTransform`. The quantizer (:func:`quantize_absmax`) is
+  symmetric dynamic absmax quantization **per head and query row**: over the entries the mask
+  allows, scale = absmax / (2^(b−1) − 1), round to nearest, clamp, dequantize; masked entries
+  are left alone. Per row, the result does not depend on how the observed attention blocks
+  query rows. The DIFF paper does not state the granularity it used.
+
+Documents are read and windowed like ``diffattn eval loss`` (same ``--data``, ``--split``,
+``--valid-fraction``, ``--data-seed``); the 16-bit loss is eval loss's loss on the same windows.
+
+Results per model (``results.json``): ``logits`` and ``hidden`` (top1, top2, top3, top10,
+top100, median, mean, std, max, count), ``logits_layers`` and ``hidden_layers`` (the same per
+layer), ``quantized_loss`` ({bits: mean NLL in nats}) and ``counts``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffattn.eval.common import (
+    EvalModel,
+    batches,
+    fingerprint,
+    markdown_table,
+    models_from_args,
+    progress,
+    require_tokenizer,
+    seed_everything,
+    write_outputs,
+)
+from diffattn.eval.loss import documents, window_nll, windows
+
+NAME = "outliers"
+HELP = "top-k |attention logits| and |hidden states|, loss with 8/6/4-bit logits (DIFF Tab 5)"
+RANKS = ("top1", "top2", "top3", "top10", "top100", "median")
+DATA_SETTINGS = ("data", "split", "valid_fraction", "data_seed", "seq_len", "max_tokens")
+
+
+def add_data_arguments(parser: Any, seq_len: int, max_tokens: int) -> None:
+    """``--data``, ``--split``, ``--valid-fraction``, ``--data-seed`` (as eval loss reads
+    documents), ``--seq-len`` and ``--max-tokens``."""
+    parser.add_argument(
+        "--data", nargs="+", default=["stdlib"], help="data specs (default: stdlib)"
+    )
+    parser.add_argument(
+        "--split",
+        choices=("valid", "all"),
+        default="valid",
+        help="held-out documents only (default) or every document",
+    )
+    parser.add_argument(
+        "--valid-fraction", type=float, default=0.02, help="the recipe's data.valid_fraction"
+    )
+    parser.add_argument("--data-seed", type=int, default=0, help="the recipe's data.seed")
+    parser.add_argument(
+        "--seq-len", type=int, default=seq_len, help=f"context window (default {seq_len})"
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        help=f"token budget over all windows (default {max_tokens:,})",
+    )
+
+
+def add_arguments(parser: Any) -> None:
+    add_data_arguments(parser, seq_len=512, max_tokens=50_000)
+    parser.add_argument(
+        "--bits",
+        type=int,
+        nargs="+",
+        default=[16, 8, 6, 4],
+        help="bit widths of the attention logits (16 = unquantized; default 16 8 6 4)",
+    )
+
+
+def check_bits(bits: Sequence[int]) -> list[int]:
+    bits = [int(b) for b in bits]
+    bad = [b for b in bits if not 2 <= b <= 16]
+    if not bits or bad:
+        raise ValueError(f"--bits must be between 2 and 16 (16 = unquantized), got {bad or bits}")
+    return sorted(set(bits), reverse=True)
+
+
+def quantize_absmax(logits: torch.Tensor, allowed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric dynamic absmax quantization of ``logits`` ``(…, S)`` per row (last dimension):
+    scale = max |allowed entries| / (2^(bits−1) − 1), round to nearest, clamp to ±(2^(bits−1)
+    − 1), dequantize. Entries ``allowed`` (bool, broadcastable) does not mark are returned
+    unchanged; ``bits=16`` returns ``logits`` itself. Rounding error ≤ scale / 2 per entry."""
+    if not 2 <= int(bits) <= 16:
+        raise ValueError(f"bits must be between 2 and 16, got {bits}")
+    if bits == 16:
+        return logits
+    levels = 2 ** (int(bits) - 1) - 1
+    allowed = allowed.to(logits.device).expand_as(logits)
+    absmax = logits.abs().masked_fill(~allowed, 0.0).amax(-1, keepdim=True)
+    scale = torch.where(absmax > 0, absmax / levels, torch.ones_like(absmax))
+    quantized = torch.clamp(torch.round(logits / scale), -levels, levels) * scale
+    return torch.where(allowed, quantized, logits)
+
+
+def padded(group: Sequence[Sequence[int]], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids`` and ``attention_mask`` of a group of windows."""
+    width = max(len(p) for p in group)
+    ids = torch.zeros(len(group), width, dtype=torch.long)
+    mask = torch.zeros(len(group), width, dtype=torch.long)
+    for row, piece in enumerate(group):
+        ids[row, : len(piece)] = torch.tensor(piece)
+        mask[row, : len(piece)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def model_windows(
+    model: EvalModel, docs: Sequence[str], seq_len: int, max_tokens: int
+) -> list[list[int]]:
+    """``model``'s tokenization of ``docs`` cut into windows as eval loss cuts them."""
+    config = getattr(model.model, "config", None)
+    limit = getattr(config, "max_seq_len", None) or getattr(
+        config, "max_position_embeddings", seq_len
+    )
+    if seq_len > limit:
+        raise ValueError(f"--seq-len {seq_len} exceeds {model.name}'s context of {limit} tokens")
+    tokenizer = require_tokenizer(model)
+    pieces, _ = windows((tokenizer.encode(d) for d in docs), seq_len, max_tokens)
+    if not pieces:
+        raise ValueError("no window of at least 2 tokens; use more data or a larger budget")
+    return pieces
+
+
+@torch.no_grad()
+def outlier_stats(
+    model: EvalModel,
+    pieces: Sequence[Sequence[int]],
+    batch_size: int,
+    top_k: int = 100,
+    quiet: bool = True,
+) -> dict[str, Any]:
+    """Streamed |logit| and |hidden state| statistics of ``model`` over ``pieces``."""
+    from diffattn.probe import HiddenStats, LogitStats, Probe
+
+    logit_stats, hidden_stats = LogitStats(top_k=top_k), HiddenStats(top_k=top_k)
+    groups = list(batches(pieces, batch_size))
+    with Probe(model.model, [logit_stats, hidden_stats]):
+        for group in progress(groups, len(groups), f"outliers {model.name}", quiet):
+            ids, mask = padded(group, model.device)
+            model.model(input_ids=ids, attention_mask=mask)
+    logits, hidden = logit_stats.result(), hidden_stats.result()
+    return {
+        "logits": logits["all"],
+        "hidden": hidden["all"],
+        "logits_layers": logits["layers"],
+        "hidden_layers": hidden["layers"],
+    }
+
+
+def quantized_loss(
+    model: EvalModel,
+    pieces: Sequence[Sequence[int]],
+    bits: int,
+    batch_size: int,
+    quiet: bool = True,
+) -> float:
+    """Mean next-token NLL over ``pieces`` with every layer's attention logits quantized to
+    ``bits`` bits (16: the model as it is, no probe)."""
+    from diffattn.probe import LogitTransform, Probe
+
+    if bits == 16:
+        nlls = window_nll(model, pieces, batch_size, quiet)
+    else:
+        transform = LogitTransform(
+            lambda logits, allowed, layer: quantize_absmax(logits, allowed, bits)
+        )
+        with Probe(model.model, [transform]):
+            nlls = window_nll(model, pieces, batch_size, quiet)
+    return float(torch.cat(nlls).double().mean())
+
+
+def run(
+    models: Sequence[EvalModel],
+    data: Sequence[str] = ("stdlib",),
+    split: str = "valid",
+    valid_fraction: float = 0.02,
+    data_seed: int = 0,
+    seq_len: int = 512,
+    max_tokens: int = 50_000,
+    bits: Sequence[int] = (16, 8, 6, 4),
+    batch_size: int = 8,
+    seed: int = 0,
+    top_k: int = 100,
+    quiet: bool = True,
+) -> dict[str, Any]:
+    """Outlier statistics and quantized-logit loss of every model (see the module docstring)."""
+    if seq_len < 2 or max_tokens < 2 or batch_size < 1:
+        raise ValueError("--seq-len and --max-tokens must be at least 2, --batch-size at least 1")
+    if top_k < 100:
+        raise ValueError(f"--top-k must be at least 100, got {top_k}")
+    bits = check_bits(bits)
+    seed_everything(seed)
+    docs = documents(data, split, valid_fraction, data_seed)
+    results: dict[str, Any] = {
+        "models": {},
+        "bits": bits,
+        "documents": len(docs),
+        "data_fingerprint": fingerprint(docs),
+    }
+    for model in models:
+        pieces = model_windows(model, docs, seq_len, max_tokens)
+        entry = outlier_stats(model, pieces, batch_size, top_k, quiet)
+        entry["quantized_loss"] = {
+            b: quantized_loss(model, pieces, b, batch_size, quiet) for b in bits
+        }
+        entry["counts"] = {
+            "windows": len(pieces),
+            "tokens": sum(len(p) for p in pieces),
+            "targets": sum(len(p) - 1 for p in pieces),
+        }
+        results["models"][model.name] = entry
+    return results
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write and close ``fig``."""
+    plt = _pyplot()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_topk(results: dict[str, Any], path: Path) -> Path:
+    """Grouped bars of top-1/2/3/10/100 and median per model, logits and hidden states."""
+    plt = _pyplot()
+    names = list(results["models"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(len(names), 1)
+    for ax, key, title in (
+        (axes[0], "logits", "|attention logits|"),
+        (axes[1], "hidden", "|hidden states|"),
+    ):
+        for i, name in enumerate(names):
+            stats = results["models"][name][key]
+            values = [stats.get(r, float("nan")) for r in RANKS]
+            ax.bar([x + i * width for x in range(len(RANKS))], values, width, label=name)
+        ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(RANKS))])
+        ax.set_xticklabels(["top-1", "top-2", "top-3", "top-10", "top-100", "median"])
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend()
+    fig.suptitle("Activation outliers (DIFF V1 Table 5)")
+    return save_figure(fig, path)
+
+
+def plot_bits(results: dict[str, Any], path: Path) -> Path:
+    """Loss against the bit width of the attention logits, one line per model."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, entry in results["models"].items():
+        points = sorted((int(b), v) for b, v in entry["quantized_loss"].items())
+        ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=name)
+    ax.invert_xaxis()
+    ax.set_xticks(sorted(int(b) for b in results["bits"]))
+    ax.set_xlabel("bits of attention logits (16 = unquantized)")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title("Low-bit attention logits (DIFF V1 Fig 8)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return save_figure(fig, path)
+
+
+def report(results: dict[str, Any]) -> str:
+    header = ["model", "top-1", "top-2", "top-3", "top-10", "top-100", "median"]
+    parts = []
+    for key, title in (("logits", "attention logits"), ("hidden", "hidden states")):
+        rows = [
+            (name, *(float(r[key].get(k, float("nan"))) for k in RANKS))
+            for name, r in results["models"].items()
+        ]
+        parts.append(f"## Largest |{title}| (DIFF V1 Table 5)\n\n" + markdown_table(header, rows))
+    bits = results["bits"]
+    rows = [
+        (name, *(float(r["quantized_loss"][b]) for b in bits))
+        for name, r in results["models"].items()
+    ]
+    parts.append(
+        "## Loss with quantized attention logits (DIFF V1 Fig 8)\n\n"
+        + markdown_table(["model", *(f"{b}-bit" for b in bits)], rows)
+        + "\nMean NLL in nats per token; 16-bit is unquantized. Logits are quantized with "
+        "symmetric absmax per head and query row, in every layer.\n"
+    )
+    return "\n".join(parts)
+
+
+def main(args: Any) -> int:
+    models = models_from_args(args)
+    settings = {k: getattr(args, k) for k in (*DATA_SETTINGS, "bits", "batch_size", "seed")}
+    results = run(models, quiet=args.quiet, **settings)
+    out = Path(args.out)
+    figures = [
+        plot_topk(results, out / "outliers_topk.png"),
+        plot_bits(results, out / "quantized_loss.png"),
+    ]
+    text = report(results)
+    write_outputs(
+        args.out, NAME, results, models, text, settings, results["data_fingerprint"], figures
+    )
+    print(text)
+    print(f"wrote {out / 'results.json'}")
+    return 0
