@@ -189,6 +189,25 @@ def quantized_loss(
     return float(torch.cat(nlls).double().mean())
 
 
+def start_run(
+    data: Sequence[str],
+    split: str,
+    valid_fraction: float,
+    data_seed: int,
+    seq_len: int,
+    max_tokens: int,
+    batch_size: int,
+    seed: int,
+) -> tuple[list[str], dict[str, Any]]:
+    """Check the shared settings, seed, read the documents; the documents and the results
+    dictionary to fill (``models``, ``documents``, ``data_fingerprint``)."""
+    if seq_len < 2 or max_tokens < 2 or batch_size < 1:
+        raise ValueError("--seq-len and --max-tokens must be at least 2, --batch-size at least 1")
+    seed_everything(seed)
+    docs = documents(data, split, valid_fraction, data_seed)
+    return docs, {"models": {}, "documents": len(docs), "data_fingerprint": fingerprint(docs)}
+
+
 def run(
     models: Sequence[EvalModel],
     data: Sequence[str] = ("stdlib",),
@@ -204,19 +223,13 @@ def run(
     quiet: bool = True,
 ) -> dict[str, Any]:
     """Outlier statistics and quantized-logit loss of every model (see the module docstring)."""
-    if seq_len < 2 or max_tokens < 2 or batch_size < 1:
-        raise ValueError("--seq-len and --max-tokens must be at least 2, --batch-size at least 1")
     if top_k < 100:
         raise ValueError(f"--top-k must be at least 100, got {top_k}")
     bits = check_bits(bits)
-    seed_everything(seed)
-    docs = documents(data, split, valid_fraction, data_seed)
-    results: dict[str, Any] = {
-        "models": {},
-        "bits": bits,
-        "documents": len(docs),
-        "data_fingerprint": fingerprint(docs),
-    }
+    docs, results = start_run(
+        data, split, valid_fraction, data_seed, seq_len, max_tokens, batch_size, seed
+    )
+    results["bits"] = bits
     for model in models:
         pieces = model_windows(model, docs, seq_len, max_tokens)
         entry = outlier_stats(model, pieces, batch_size, top_k, quiet)
@@ -232,7 +245,7 @@ def run(
     return results
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -243,7 +256,7 @@ def _pyplot():
 
 def save_figure(fig: Any, path: Path) -> Path:
     """Lay out, write and close ``fig``."""
-    plt = _pyplot()
+    plt = pyplot()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -252,7 +265,7 @@ def save_figure(fig: Any, path: Path) -> Path:
 
 def plot_topk(results: dict[str, Any], path: Path) -> Path:
     """Grouped bars of top-1/2/3/10/100 and median per model, logits and hidden states."""
-    plt = _pyplot()
+    plt = pyplot()
     names = list(results["models"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(len(names), 1)
@@ -276,7 +289,7 @@ def plot_topk(results: dict[str, Any], path: Path) -> Path:
 
 def plot_bits(results: dict[str, Any], path: Path) -> Path:
     """Loss against the bit width of the attention logits, one line per model."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, entry in results["models"].items():
         points = sorted((int(b), v) for b, v in entry["quantized_loss"].items())
