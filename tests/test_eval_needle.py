@@ -174,7 +174,7 @@ def test_bad_arguments_raise_one_clear_error(models):
         needle.run(models[:1], **{**TINY, "haystack": "/no/such/haystack"})
 
 
-def test_file_and_directory_haystacks(models, tmp_path):
+def test_file_directory_and_stdlib_haystacks(models, tmp_path):
     (tmp_path / "a.txt").write_text("alpha beta gamma. " * 5)
     (tmp_path / "b.txt").write_text("delta epsilon. " * 5)
     tokenizer = models[0].tokenizer
@@ -182,6 +182,7 @@ def test_file_and_directory_haystacks(models, tmp_path):
     from_file = needle.haystack_ids(tokenizer, str(tmp_path / "a.txt"), 300)
     assert len(from_dir) >= 300 and len(from_file) >= 300
     assert "delta" in tokenizer.decode(from_dir) and "delta" not in tokenizer.decode(from_file)
+    assert len(needle.haystack_ids(tokenizer, "stdlib", 300)) >= 300
 
 
 def test_command_line(model_dirs, tmp_path, capsys):

@@ -449,11 +449,30 @@ def _check(needles, queries, lengths, depths, samples, batch_size, max_new_token
         raise ValueError("--samples, --batch-size and --max-new-tokens must be at least 1")
 
 
-def evaluate_model(
+def build_prompts(
     model: EvalModel,
     cells: dict[tuple[float, int], list[NeedleSample]],
     haystack: str,
     seed: int,
+    max_new_tokens: int,
+) -> dict[tuple[float, int], list[Prompt]]:
+    """Every cell's prompts for ``model``; ``ValueError`` when they do not fit its context."""
+    tokenizer = require_tokenizer(model)
+    longest = max(length for _, length in cells)
+    limit = context_limit(model)
+    if limit is not None and longest + max_new_tokens > limit:
+        raise ValueError(
+            f"--lengths {longest} + {max_new_tokens} new tokens exceeds {model.name}'s "
+            f"context of {limit} tokens"
+        )
+    hay = haystack_ids(tokenizer, haystack, longest, seed)
+    return {key: [build_prompt(s, tokenizer, hay) for s in cell] for key, cell in cells.items()}
+
+
+def evaluate_model(
+    model: EvalModel,
+    cells: dict[tuple[float, int], list[NeedleSample]],
+    prompts: dict[tuple[float, int], list[Prompt]],
     batch_size: int,
     max_new_tokens: int,
     attention: bool,
@@ -461,14 +480,6 @@ def evaluate_model(
 ) -> dict[str, Any]:
     tokenizer = require_tokenizer(model)
     lengths = sorted({length for _, length in cells})
-    limit = context_limit(model)
-    if limit is not None and max(lengths) + max_new_tokens > limit:
-        raise ValueError(
-            f"--lengths {max(lengths)} + {max_new_tokens} new tokens exceeds {model.name}'s "
-            f"context of {limit} tokens"
-        )
-    hay = haystack_ids(tokenizer, haystack, max(lengths), seed)
-    prompts = {key: [build_prompt(s, tokenizer, hay) for s in cell] for key, cell in cells.items()}
     pad = tokenizer.eos_token_id or 0
     out_cells = []
     for (depth, length), cell in progress(
@@ -557,9 +568,11 @@ def run(
         ),
         "models": {},
     }
-    for model in models:
+    # Every model's prompts first, so that a bad setting fails before any decoding.
+    prompts = [build_prompts(m, cells, haystack, seed, max_new_tokens) for m in models]
+    for model, model_prompts in zip(models, prompts, strict=True):
         results["models"][model.name] = evaluate_model(
-            model, cells, haystack, seed, batch_size, max_new_tokens, attention, quiet
+            model, cells, model_prompts, batch_size, max_new_tokens, attention, quiet
         )
     return results
 
