@@ -445,6 +445,12 @@ def _grid(n: int, title: str, size: float = 4.0):
     return fig, axes[0]
 
 
+def _integer_ticks(ax: Any, shape: Sequence[int]) -> None:
+    """Ticks at whole row and column indices (at most about 16 of each)."""
+    for axis, n in ((ax.yaxis, shape[0]), (ax.xaxis, shape[1])):
+        axis.set_ticks(range(0, n, max(1, math.ceil(n / 16))))
+
+
 def plot_heatmaps(results: dict[str, Any], key: str, sub: str | None, title: str, path: Path):
     """Layer × head heatmap of ``results["models"][*][key]`` (``[sub]``), one panel per model."""
     panels = []
@@ -459,6 +465,7 @@ def plot_heatmaps(results: dict[str, Any], key: str, sub: str | None, title: str
     fig, axes = _grid(len(panels), title)
     for ax, (name, value) in zip(axes, panels, strict=True):
         image = ax.imshow(value.numpy(), aspect="auto", cmap="viridis")
+        _integer_ticks(ax, value.shape)
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         ax.set_title(name)
@@ -477,7 +484,9 @@ def plot_matrices(results: dict[str, Any], key: str, layer: int, title: str, pat
         return None
     fig, axes = _grid(len(panels), f"{title}, layer {layer}")
     for ax, (name, value) in zip(axes, panels, strict=True):
-        image = ax.imshow(torch.as_tensor(value).double().numpy(), cmap="magma")
+        value = torch.as_tensor(value).double()
+        image = ax.imshow(value.numpy(), cmap="magma", vmin=0.0)
+        _integer_ticks(ax, value.shape)
         ax.set_xlabel("head")
         ax.set_ylabel("head")
         ax.set_title(name)
@@ -529,7 +538,7 @@ def report(results: dict[str, Any]) -> str:
                 )
             )
         parts.append(
-            f"## {name}\n\nMeans over the heads of each layer.\n\n"
+            f"### {name}\n\nMeans over the heads of each layer.\n\n"
             + markdown_table(
                 [
                     "layer",
@@ -556,7 +565,7 @@ def report(results: dict[str, Any]) -> str:
                 )
             )
     return (
-        "# Per-head analyses (Dex §2, App. B)\n\n"
+        "## Per-head analyses (Dex §2, App. B)\n\n"
         + "\n".join(parts)
         + "\nEntropy in nats (of |A1 − λA2| renormalised for DIFF); cosine distance and CKA are "
         "the mean over pairs of distinct heads; importance is normalised by the layer's "
