@@ -11,7 +11,7 @@ from tests.helpers import tiny_diffattn, tiny_hf
 
 from diffattn.eval import loss as eval_loss
 from diffattn.eval import outliers
-from diffattn.eval.common import load_models
+from diffattn.eval.common import batches, load_models
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 
@@ -116,11 +116,11 @@ def test_topk_equals_full_maps(model_dirs, corpus):
     maps, states = AttentionMaps(what=("logits",)), HiddenStates()
     logit_values, hidden_values = [], []
     with torch.no_grad(), Probe(model.model, [maps, states]):
-        for group in eval_loss.batches(pieces, 3):
+        for group in batches(pieces, 3):
             ids, mask = outliers.padded(group, "cpu")
             model.model(input_ids=ids, attention_mask=mask)
     real_tokens = []
-    for group in eval_loss.batches(pieces, 3):
+    for group in batches(pieces, 3):
         _, mask = outliers.padded(group, "cpu")
         real_tokens.append(mask.bool())
     for layer, calls in maps.result().items():

@@ -332,3 +332,21 @@ def require_tokenizer(model: EvalModel) -> TextTokenizer:
             "one to build its prompts (save the model with its tokenizer)"
         )
     return model.tokenizer
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write and close ``fig``."""
+    plt = pyplot()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

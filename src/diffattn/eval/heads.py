@@ -42,17 +42,12 @@ from diffattn.eval.common import (
     markdown_table,
     models_from_args,
     progress,
-    write_outputs,
-)
-from diffattn.eval.outliers import (
-    DATA_SETTINGS,
-    add_data_arguments,
-    model_windows,
-    padded,
     pyplot,
     save_figure,
-    start_run,
+    write_outputs,
 )
+from diffattn.eval.outliers import DATA_SETTINGS
+from diffattn.eval.text import add_data_arguments, model_windows, padded, start_run
 from diffattn.probe import AttentionEntropy, Capture, HeadOutputs, Probe
 
 NAME = "heads"

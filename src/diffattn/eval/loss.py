@@ -36,47 +36,21 @@ import torch
 
 from diffattn.eval.common import (
     EvalModel,
-    batches,
     fingerprint,
     markdown_table,
     models_from_args,
-    progress,
     require_tokenizer,
     seed_everything,
     write_outputs,
 )
+from diffattn.eval.text import add_data_arguments, context_limit, documents, window_nll, windows
 
 NAME = "loss"
 HELP = "validation loss with AR-Hit / Others slices and cumulative NLL by position (DIFF Tab 6)"
 
 
 def add_arguments(parser: Any) -> None:
-    parser.add_argument(
-        "--data",
-        nargs="+",
-        default=["stdlib"],
-        help="data specs as the trainer reads them (default: stdlib)",
-    )
-    parser.add_argument(
-        "--split",
-        choices=("valid", "all"),
-        default="valid",
-        help="held-out documents only (default) or every document",
-    )
-    parser.add_argument(
-        "--valid-fraction",
-        type=float,
-        default=0.02,
-        help="the recipe's data.valid_fraction (default 0.02)",
-    )
-    parser.add_argument("--data-seed", type=int, default=0, help="the recipe's data.seed")
-    parser.add_argument("--seq-len", type=int, default=512, help="context window (tokens)")
-    parser.add_argument(
-        "--max-tokens",
-        type=int,
-        default=200_000,
-        help="token budget over all windows (default 200,000)",
-    )
+    add_data_arguments(parser, seq_len=512, max_tokens=200_000)
     parser.add_argument("--ngram", type=int, default=2, help="n of AR-Hit n-grams (default 2)")
     parser.add_argument(
         "--exclude-frequent",
@@ -120,64 +94,6 @@ def frequent_ngrams(token_lists: Iterable[Sequence[int]], n: int, k: int) -> set
     return {gram for gram, _ in counts.most_common(k)}
 
 
-def documents(specs: Sequence[str], split: str, valid_fraction: float, seed: int) -> list[str]:
-    from diffattn.data import is_validation_document, iter_documents
-
-    docs = list(iter_documents(specs))
-    if split == "valid":
-        docs = [
-            d for d in docs if is_validation_document(d, seed=seed, valid_fraction=valid_fraction)
-        ]
-    if not docs:
-        raise ValueError(
-            f"no documents in {list(specs)} for split={split!r} "
-            f"(valid_fraction={valid_fraction}); use --split all or more data"
-        )
-    return docs
-
-
-def windows(
-    token_docs: Iterable[Sequence[int]], seq_len: int, max_tokens: int
-) -> tuple[list[list[int]], list[int]]:
-    """Non-overlapping windows of ``seq_len`` tokens (the last one of a document may be
-    shorter, at least 2 tokens), up to ``max_tokens``; and the document index of each."""
-    out, owner, total = [], [], 0
-    for d, ids in enumerate(token_docs):
-        for start in range(0, len(ids), seq_len):
-            piece = list(ids[start : start + seq_len])
-            if len(piece) < 2:
-                continue
-            if total + len(piece) > max_tokens:
-                return out, owner
-            out.append(piece)
-            owner.append(d)
-            total += len(piece)
-    return out, owner
-
-
-@torch.no_grad()
-def window_nll(
-    model: EvalModel, pieces: Sequence[Sequence[int]], batch_size: int, quiet: bool = True
-) -> list[torch.Tensor]:
-    """Per window, the ``(len − 1,)`` NLL of each target token (right padding, masked)."""
-    from diffattn.probe import token_nll
-
-    out: list[torch.Tensor] = []
-    groups = list(batches(pieces, batch_size))
-    for group in progress(groups, len(groups), f"loss {model.name}", quiet):
-        width = max(len(p) for p in group)
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.long)
-        for row, piece in enumerate(group):
-            ids[row, : len(piece)] = torch.tensor(piece)
-            mask[row, : len(piece)] = 1
-        ids, mask = ids.to(model.device), mask.to(model.device)
-        logits = model.model(input_ids=ids, attention_mask=mask).logits
-        nll = token_nll(logits, ids, mask).cpu()
-        out.extend(nll[row, : len(piece) - 1] for row, piece in enumerate(group))
-    return out
-
-
 def evaluate_model(
     model: EvalModel,
     docs: Sequence[str],
@@ -190,9 +106,7 @@ def evaluate_model(
 ) -> dict[str, Any]:
     tokenizer = require_tokenizer(model)
     token_docs = (tokenizer.encode(d) for d in docs)  # lazily: stops at the budget
-    limit = getattr(getattr(model.model, "config", None), "max_seq_len", None) or getattr(
-        getattr(model.model, "config", None), "max_position_embeddings", seq_len
-    )
+    limit = context_limit(model) or seq_len
     if seq_len > limit:
         raise ValueError(f"--seq-len {seq_len} exceeds {model.name}'s context of {limit} tokens")
     pieces, owner = windows(token_docs, seq_len, max_tokens)

@@ -69,6 +69,7 @@ from diffattn.eval.common import (
     seed_everything,
     write_outputs,
 )
+from diffattn.eval.text import context_limit
 
 NAME = "needle"
 HELP = "multi-needle retrieval by depth and length, attention to answer and noise (DIFF Tab 2/3)"
@@ -345,11 +346,6 @@ def build_prompt(sample: NeedleSample, tokenizer: TextTokenizer, haystack: Seque
 def score(output: str, answers: Sequence[str]) -> int:
     """1 when every answer (a string of digits) occurs in ``output``, else 0."""
     return int(all(str(a) in output for a in answers))
-
-
-def context_limit(model: EvalModel) -> int | None:
-    config = getattr(model.model, "config", None)
-    return getattr(config, "max_seq_len", None) or getattr(config, "max_position_embeddings", None)
 
 
 @torch.no_grad()

@@ -34,47 +34,19 @@ import torch
 from diffattn.eval.common import (
     EvalModel,
     batches,
-    fingerprint,
     markdown_table,
     models_from_args,
     progress,
-    require_tokenizer,
-    seed_everything,
+    pyplot,
+    save_figure,
     write_outputs,
 )
-from diffattn.eval.loss import documents, window_nll, windows
+from diffattn.eval.text import add_data_arguments, model_windows, padded, start_run, window_nll
 
 NAME = "outliers"
 HELP = "top-k |attention logits| and |hidden states|, loss with 8/6/4-bit logits (DIFF Tab 5)"
 RANKS = ("top1", "top2", "top3", "top10", "top100", "median")
 DATA_SETTINGS = ("data", "split", "valid_fraction", "data_seed", "seq_len", "max_tokens")
-
-
-def add_data_arguments(parser: Any, seq_len: int, max_tokens: int) -> None:
-    """``--data``, ``--split``, ``--valid-fraction``, ``--data-seed`` (as eval loss reads
-    documents), ``--seq-len`` and ``--max-tokens``."""
-    parser.add_argument(
-        "--data", nargs="+", default=["stdlib"], help="data specs (default: stdlib)"
-    )
-    parser.add_argument(
-        "--split",
-        choices=("valid", "all"),
-        default="valid",
-        help="held-out documents only (default) or every document",
-    )
-    parser.add_argument(
-        "--valid-fraction", type=float, default=0.02, help="the recipe's data.valid_fraction"
-    )
-    parser.add_argument("--data-seed", type=int, default=0, help="the recipe's data.seed")
-    parser.add_argument(
-        "--seq-len", type=int, default=seq_len, help=f"context window (default {seq_len})"
-    )
-    parser.add_argument(
-        "--max-tokens",
-        type=int,
-        default=max_tokens,
-        help=f"token budget over all windows (default {max_tokens:,})",
-    )
 
 
 def add_arguments(parser: Any) -> None:
@@ -111,34 +83,6 @@ def quantize_absmax(logits: torch.Tensor, allowed: torch.Tensor, bits: int) -> t
     scale = torch.where(absmax > 0, absmax / levels, torch.ones_like(absmax))
     quantized = torch.clamp(torch.round(logits / scale), -levels, levels) * scale
     return torch.where(allowed, quantized, logits)
-
-
-def padded(group: Sequence[Sequence[int]], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``input_ids`` and ``attention_mask`` of a group of windows."""
-    width = max(len(p) for p in group)
-    ids = torch.zeros(len(group), width, dtype=torch.long)
-    mask = torch.zeros(len(group), width, dtype=torch.long)
-    for row, piece in enumerate(group):
-        ids[row, : len(piece)] = torch.tensor(piece)
-        mask[row, : len(piece)] = 1
-    return ids.to(device), mask.to(device)
-
-
-def model_windows(
-    model: EvalModel, docs: Sequence[str], seq_len: int, max_tokens: int
-) -> list[list[int]]:
-    """``model``'s tokenization of ``docs`` cut into windows as eval loss cuts them."""
-    config = getattr(model.model, "config", None)
-    limit = getattr(config, "max_seq_len", None) or getattr(
-        config, "max_position_embeddings", seq_len
-    )
-    if seq_len > limit:
-        raise ValueError(f"--seq-len {seq_len} exceeds {model.name}'s context of {limit} tokens")
-    tokenizer = require_tokenizer(model)
-    pieces, _ = windows((tokenizer.encode(d) for d in docs), seq_len, max_tokens)
-    if not pieces:
-        raise ValueError("no window of at least 2 tokens; use more data or a larger budget")
-    return pieces
 
 
 @torch.no_grad()
@@ -189,25 +133,6 @@ def quantized_loss(
     return float(torch.cat(nlls).double().mean())
 
 
-def start_run(
-    data: Sequence[str],
-    split: str,
-    valid_fraction: float,
-    data_seed: int,
-    seq_len: int,
-    max_tokens: int,
-    batch_size: int,
-    seed: int,
-) -> tuple[list[str], dict[str, Any]]:
-    """Check the shared settings, seed, read the documents; the documents and the results
-    dictionary to fill (``models``, ``documents``, ``data_fingerprint``)."""
-    if seq_len < 2 or max_tokens < 2 or batch_size < 1:
-        raise ValueError("--seq-len and --max-tokens must be at least 2, --batch-size at least 1")
-    seed_everything(seed)
-    docs = documents(data, split, valid_fraction, data_seed)
-    return docs, {"models": {}, "documents": len(docs), "data_fingerprint": fingerprint(docs)}
-
-
 def run(
     models: Sequence[EvalModel],
     data: Sequence[str] = ("stdlib",),
@@ -243,24 +168,6 @@ def run(
         }
         results["models"][model.name] = entry
     return results
-
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig: Any, path: Path) -> Path:
-    """Lay out, write and close ``fig``."""
-    plt = pyplot()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def plot_topk(results: dict[str, Any], path: Path) -> Path:

@@ -1,0 +1,161 @@
+"""Held-out documents cut into token windows: the data of ``eval loss``, ``outliers`` and
+``heads``.
+
+Documents are read as the trainer reads them; by default only those its document-level split
+puts in validation (``--valid-fraction`` and ``--data-seed`` are the recipe's
+``data.valid_fraction`` and ``data.seed``). Each model tokenizes them with its own tokenizer
+and they are cut into non-overlapping windows of ``--seq-len`` tokens, up to ``--max-tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from diffattn.eval.common import (
+    EvalModel,
+    batches,
+    fingerprint,
+    progress,
+    require_tokenizer,
+    seed_everything,
+)
+
+
+def add_data_arguments(parser: Any, seq_len: int, max_tokens: int) -> None:
+    """``--data``, ``--split``, ``--valid-fraction``, ``--data-seed`` (as eval loss reads
+    documents), ``--seq-len`` and ``--max-tokens``."""
+    parser.add_argument(
+        "--data", nargs="+", default=["stdlib"], help="data specs (default: stdlib)"
+    )
+    parser.add_argument(
+        "--split",
+        choices=("valid", "all"),
+        default="valid",
+        help="held-out documents only (default) or every document",
+    )
+    parser.add_argument(
+        "--valid-fraction", type=float, default=0.02, help="the recipe's data.valid_fraction"
+    )
+    parser.add_argument("--data-seed", type=int, default=0, help="the recipe's data.seed")
+    parser.add_argument(
+        "--seq-len", type=int, default=seq_len, help=f"context window (default {seq_len})"
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        help=f"token budget over all windows (default {max_tokens:,})",
+    )
+
+
+def documents(specs: Sequence[str], split: str, valid_fraction: float, seed: int) -> list[str]:
+    from diffattn.data import is_validation_document, iter_documents
+
+    docs = list(iter_documents(specs))
+    if split == "valid":
+        docs = [
+            d for d in docs if is_validation_document(d, seed=seed, valid_fraction=valid_fraction)
+        ]
+    if not docs:
+        raise ValueError(
+            f"no documents in {list(specs)} for split={split!r} "
+            f"(valid_fraction={valid_fraction}); use --split all or more data"
+        )
+    return docs
+
+
+def windows(
+    token_docs: Iterable[Sequence[int]], seq_len: int, max_tokens: int
+) -> tuple[list[list[int]], list[int]]:
+    """Non-overlapping windows of ``seq_len`` tokens (the last one of a document may be
+    shorter, at least 2 tokens), up to ``max_tokens``; and the document index of each."""
+    out, owner, total = [], [], 0
+    for d, ids in enumerate(token_docs):
+        for start in range(0, len(ids), seq_len):
+            piece = list(ids[start : start + seq_len])
+            if len(piece) < 2:
+                continue
+            if total + len(piece) > max_tokens:
+                return out, owner
+            out.append(piece)
+            owner.append(d)
+            total += len(piece)
+    return out, owner
+
+
+def padded(group: Sequence[Sequence[int]], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids`` and ``attention_mask`` of a group of windows."""
+    width = max(len(p) for p in group)
+    ids = torch.zeros(len(group), width, dtype=torch.long)
+    mask = torch.zeros(len(group), width, dtype=torch.long)
+    for row, piece in enumerate(group):
+        ids[row, : len(piece)] = torch.tensor(piece)
+        mask[row, : len(piece)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def context_limit(model: EvalModel) -> int | None:
+    config = getattr(model.model, "config", None)
+    return getattr(config, "max_seq_len", None) or getattr(config, "max_position_embeddings", None)
+
+
+def model_windows(
+    model: EvalModel, docs: Sequence[str], seq_len: int, max_tokens: int
+) -> list[list[int]]:
+    """``model``'s tokenization of ``docs`` cut into windows as eval loss cuts them."""
+    config = getattr(model.model, "config", None)
+    limit = getattr(config, "max_seq_len", None) or getattr(
+        config, "max_position_embeddings", seq_len
+    )
+    if seq_len > limit:
+        raise ValueError(f"--seq-len {seq_len} exceeds {model.name}'s context of {limit} tokens")
+    tokenizer = require_tokenizer(model)
+    pieces, _ = windows((tokenizer.encode(d) for d in docs), seq_len, max_tokens)
+    if not pieces:
+        raise ValueError("no window of at least 2 tokens; use more data or a larger budget")
+    return pieces
+
+
+@torch.no_grad()
+def window_nll(
+    model: EvalModel, pieces: Sequence[Sequence[int]], batch_size: int, quiet: bool = True
+) -> list[torch.Tensor]:
+    """Per window, the ``(len − 1,)`` NLL of each target token (right padding, masked)."""
+    from diffattn.probe import token_nll
+
+    out: list[torch.Tensor] = []
+    groups = list(batches(pieces, batch_size))
+    for group in progress(groups, len(groups), f"loss {model.name}", quiet):
+        width = max(len(p) for p in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for row, piece in enumerate(group):
+            ids[row, : len(piece)] = torch.tensor(piece)
+            mask[row, : len(piece)] = 1
+        ids, mask = ids.to(model.device), mask.to(model.device)
+        logits = model.model(input_ids=ids, attention_mask=mask).logits
+        nll = token_nll(logits, ids, mask).cpu()
+        out.extend(nll[row, : len(piece) - 1] for row, piece in enumerate(group))
+    return out
+
+
+def start_run(
+    data: Sequence[str],
+    split: str,
+    valid_fraction: float,
+    data_seed: int,
+    seq_len: int,
+    max_tokens: int,
+    batch_size: int,
+    seed: int,
+) -> tuple[list[str], dict[str, Any]]:
+    """Check the shared settings, seed, read the documents; the documents and the results
+    dictionary to fill (``models``, ``documents``, ``data_fingerprint``)."""
+    if seq_len < 2 or max_tokens < 2 or batch_size < 1:
+        raise ValueError("--seq-len and --max-tokens must be at least 2, --batch-size at least 1")
+    seed_everything(seed)
+    docs = documents(data, split, valid_fraction, data_seed)
+    return docs, {"models": {}, "documents": len(docs), "data_fingerprint": fingerprint(docs)}
