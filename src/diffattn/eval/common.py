@@ -110,15 +110,22 @@ def _attention_of(model: nn.Module, kind: str) -> str:
 
 
 def _unique_names(specs: Sequence[str]) -> list[str]:
+    """Short distinct labels: the path components that differ between the specs (shared leading
+    and trailing components dropped), e.g. ``runs/baseline-seed0/checkpoints/step-250`` and
+    ``runs/diff_v1-seed0/checkpoints/step-250`` become ``baseline-seed0`` and ``diff_v1-seed0``."""
+    parts = [[p for p in Path(spec).parts if p not in ("/", ".")] or [spec] for spec in specs]
+    if len(parts) == 1:
+        return [parts[0][-1]]
+    shortest = min(len(p) for p in parts)
+    lead = 0
+    while lead < shortest - 1 and len({p[lead] for p in parts}) == 1:
+        lead += 1
+    trail = 0
+    while trail < shortest - lead - 1 and len({p[-1 - trail] for p in parts}) == 1:
+        trail += 1
     names: list[str] = []
-    for spec in specs:
-        path = Path(spec)
-        parts = [p for p in path.parts if p not in ("/", ".")]
-        base = parts[-1] if parts else spec
-        name, depth = base, 2
-        while name in names and depth <= len(parts):
-            name = "/".join(parts[-depth:])
-            depth += 1
+    for p in parts:
+        name = "/".join(p[lead : len(p) - trail]) or p[-1]
         while name in names:
             name += "'"
         names.append(name)
