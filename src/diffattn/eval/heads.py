@@ -46,8 +46,7 @@ from diffattn.eval.common import (
     save_figure,
     write_outputs,
 )
-from diffattn.eval.outliers import DATA_SETTINGS
-from diffattn.eval.text import add_data_arguments, model_windows, padded, start_run
+from diffattn.eval.text import DATA_SETTINGS, add_data_arguments, model_windows, padded, start_run
 from diffattn.probe import AttentionEntropy, Capture, HeadOutputs, Probe
 
 NAME = "heads"

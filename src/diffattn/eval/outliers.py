@@ -41,12 +41,18 @@ from diffattn.eval.common import (
     save_figure,
     write_outputs,
 )
-from diffattn.eval.text import add_data_arguments, model_windows, padded, start_run, window_nll
+from diffattn.eval.text import (
+    DATA_SETTINGS,
+    add_data_arguments,
+    model_windows,
+    padded,
+    start_run,
+    window_nll,
+)
 
 NAME = "outliers"
 HELP = "top-k |attention logits| and |hidden states|, loss with 8/6/4-bit logits (DIFF Tab 5)"
 RANKS = ("top1", "top2", "top3", "top10", "top100", "median")
-DATA_SETTINGS = ("data", "split", "valid_fraction", "data_seed", "seq_len", "max_tokens")
 
 
 def add_arguments(parser: Any) -> None:

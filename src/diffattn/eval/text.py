@@ -23,6 +23,9 @@ from diffattn.eval.common import (
     seed_everything,
 )
 
+DATA_SETTINGS = ("data", "split", "valid_fraction", "data_seed", "seq_len", "max_tokens")
+"""The data options of :func:`add_data_arguments`, as ``run`` keyword names."""
+
 
 def add_data_arguments(parser: Any, seq_len: int, max_tokens: int) -> None:
     """``--data``, ``--split``, ``--valid-fraction``, ``--data-seed`` (as eval loss reads
