@@ -6,5 +6,5 @@ shared conventions (models, ``--compare``, ``--dex``, outputs, seeds) are in
 :mod:`diffattn.eval.common`. See ``docs/eval.md``.
 """
 
-EXPERIMENTS = ("loss", "needle", "outliers", "heads", "hessian")
+EXPERIMENTS = ("loss", "needle", "outliers", "heads", "effective", "hessian")
 """Experiment modules, in the order the command line lists them (present ones only)."""
