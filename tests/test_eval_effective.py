@@ -108,3 +108,23 @@ def test_a_model_without_dex_is_one_line(dex_model, tmp_path, capsys):
         ]
     )
     assert code == 2 and "no Dex adapter" in capsys.readouterr().err
+
+
+def test_effective_rows_are_softmax_rows_except_for_adapted_heads():
+    from diffattn.dex.effective import effective_rows
+    from diffattn.probe import AttentionMaps, HeadOutputs, Probe
+
+    model = tiny_hf("llama", vocab_size=128)
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(3))
+    dex.apply(model, heads={1: [2]}, anneal_steps=0, lambda_learn_init=0.5)
+    rows = effective_rows(model, ids)
+    maps, outputs = AttentionMaps(what=("probs", "values")), HeadOutputs(stages=("dex_output",))
+    with torch.no_grad(), Probe(model, [maps, outputs]):
+        model(input_ids=ids)
+    probs = maps.result()[1][0]["probs.a"][0, :, -1].double()
+    for head in (0, 1, 3):
+        torch.testing.assert_close(rows[1][head], probs[head])
+    values = maps.result()[1][0]["values"][0, 2 // 2].double()  # 4 heads, 2 KV groups
+    out = outputs.result()[1][0]["dex_output"][0, 2, -1].double()
+    # W_D starts at the identity, so O' = (1 − λ) A V lies in V's row space: X V = O' exactly
+    torch.testing.assert_close(rows[1][2] @ values, out, rtol=1e-6, atol=1e-8)

@@ -266,3 +266,42 @@ def effective_attention(
     if method == "nearest":
         return effective_attention_nearest(t.attn, t.values, t.w_d, t.lam)
     raise ValueError(f"method must be 'pinv', 'optim' or 'nearest', got {method!r}")
+
+
+@torch.no_grad()
+def effective_rows(
+    model: nn.Module, input_ids: torch.Tensor, position: int = -1
+) -> list[torch.Tensor]:
+    """Per layer, the map row every head applies at query ``position`` of ``input_ids``
+    (batch of one): the softmax row for heads without Dex, the pinv effective-attention row
+    ``O'_row V⁺`` (Eq. 6) for heads Dex adapted. Each entry is ``(n_heads, S)`` float64.
+
+    One forward through the capture probe; the rows are what DIFF's Table 3 and Dex's Table 2
+    sum over key spans.
+    """
+    if input_ids.shape[0] != 1:
+        raise ValueError("effective_rows takes a batch of one sequence")
+    sites = find_attention(model)
+    n = input_ids.shape[1]
+    position = position % n
+    maps = AttentionMaps(what=("probs", "values"), query_positions=[position])
+    outputs = HeadOutputs(stages=("dex_output",))
+    with eval_mode(model), Probe(model, [maps, outputs]):
+        model(input_ids=input_ids)
+    rows = []
+    for site in sites:
+        attention = maps.result()[site.index][-1]
+        probs = attention["probs.a"][0, :, -1].double()  # (H, S)
+        values = attention["values"][0].double()  # (H_kv, S, d)
+        dex = site.module._modules.get(DEX_CHILD)
+        if isinstance(dex, DexHeads):
+            group_size = site.n_heads // site.n_kv_heads
+            out = outputs.result()[site.index][-1]["dex_output"][0, :, position].double()
+            pinvs = {}
+            for head in dex.selected:
+                group = head // group_size
+                if group not in pinvs:
+                    pinvs[group] = torch.linalg.pinv(values[group])  # (d, S)
+                probs[head] = out[head] @ pinvs[group]
+        rows.append(probs)
+    return rows

@@ -41,7 +41,9 @@ DIFF V2's and DiffLlama's differential map), row of the last prompt token:
 * ``total_mass``: Σ over every prompt token (1 for softmax maps; a check);
 
 each the mean over layers and heads, then over samples. These are raw sums, not normalised.
-Dex models: the probe sees the softmax map before Dex, which is what is reported.
+Dex models (Dex Table 2): heads Dex adapted contribute their effective-attention row, the
+least-squares estimate O' V⁺ of App. F.3 Eq. 6 (:func:`diffattn.dex.effective.effective_rows`);
+the other heads their softmax row.
 """
 
 from __future__ import annotations
@@ -416,12 +418,28 @@ def attention_masses(span_result: dict[int, list[dict[str, torch.Tensor]]]) -> d
 @torch.no_grad()
 def measure_attention(model: EvalModel, prompt: Prompt) -> dict[str, float]:
     """DIFF Table 3 masses of ``prompt`` at its last token (see :func:`attention_masses`)."""
+    from diffattn.dex import is_dex
     from diffattn.probe import Probe, SpanMass
 
     n = len(prompt.ids)
     spans = [prompt.answer_span, prompt.context_span, (0, n), *prompt.needle_spans]
-    capture = SpanMass(spans=spans, query_positions=[n - 1])
     ids = torch.tensor([prompt.ids], device=model.device)
+    if is_dex(model.model):  # Dex changes outputs, not maps: use its effective attention
+        from diffattn.dex.effective import effective_rows
+
+        rows = effective_rows(model.model, ids)  # per layer (H, S)
+        per_layer = {
+            layer: [
+                {
+                    "applied": torch.stack([row[:, a:b].sum(-1) for a, b in spans], -1)[
+                        None, :, None, :
+                    ]
+                }
+            ]
+            for layer, row in enumerate(rows)
+        }
+        return attention_masses(per_layer)
+    capture = SpanMass(spans=spans, query_positions=[n - 1])
     with Probe(model.model, [capture]):
         model.model(input_ids=ids)
     return attention_masses(capture.result())
