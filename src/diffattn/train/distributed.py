@@ -82,10 +82,11 @@ def init_process_group(env: DistEnv, device: torch.device) -> bool:
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is not None:
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart != "0":
         # torchrun keeps one store across restarts (--max-restarts): without a prefix per
-        # attempt, a restarted group can read the addresses of the processes it replaced
+        # attempt, a restarted group can read the addresses of the processes it replaced.
+        # The first attempt keeps torch's own initialisation.
         store, rank, world = next(dist.rendezvous("env://"))
         kwargs.update(
             store=dist.PrefixStore(f"diffattn/attempt-{restart}/", store),
