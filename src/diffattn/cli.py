@@ -14,7 +14,7 @@ VERBS: tuple[tuple[str, str], ...] = (
     ("generate", "generate text from a model directory, streaming tokens"),
     ("convert", "convert weights between HF Llama / DiffLlama / GGUF and diffattn"),
     ("dex", "Dex on a pretrained decoder: select heads, train, merge, compare"),
-    ("eval", "measure the papers' claims: loss slices, needles, outliers, heads"),
+    ("eval", "measure the papers' claims: loss slices, needles, outliers, heads, Hessian"),
 )
 
 

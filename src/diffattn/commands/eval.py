@@ -8,8 +8,8 @@ import importlib.util
 
 DESCRIPTION = (
     "Measure the papers' claims on any model: fine-grained loss, multi-needle retrieval, "
-    "activation outliers and quantization, head analyses. Writes results.json, report.md "
-    "and PNG figures to --out."
+    "activation outliers and quantization, head analyses, Dex effective attention, Hessian "
+    "spectra. Writes results.json, report.md and PNG figures to --out (docs/eval.md)."
 )
 
 
