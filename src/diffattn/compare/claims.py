@@ -1,0 +1,134 @@
+"""The papers' claims as testable predictions, and the rule that turns measurements over seeds
+into a verdict: supported, not supported, or inconclusive at this scale.
+
+A claim compares a DIFF model with the Transformer baseline trained on the same tokens, in the
+same order, with the same seed. For each seed s the paired difference is
+``d_s = metric(DIFF, s) − metric(baseline, s)`` (pairing removes what the seed does to both).
+With n seeds, mean d̄ and standard error se = sd(d) / √n:
+
+* **supported**: d̄ lies on the side the paper predicts and |d̄| > ``z`` · se;
+* **not supported**: d̄ lies on the other side and |d̄| > ``z`` · se;
+* **inconclusive**: otherwise, or with fewer than two seeds (no spread to judge noise by).
+
+``z`` defaults to 2 (roughly a two-sided 95% interval for moderate n; with 3 seeds it is a
+lenient bar, which the report states next to the table). The rule is computed, never written by
+hand, and stated in every report.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+VERDICTS = ("supported", "not supported", "inconclusive")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One of the papers' claims.
+
+    Attributes:
+        key: the measurement it reads (a key of the per-model results).
+        statement: the claim in a sentence.
+        source: table or figure of the paper.
+        better: ``"lower"`` or ``"higher"``: which direction of the metric the claim predicts
+            for DIFF against the baseline.
+    """
+
+    key: str
+    statement: str
+    source: str
+    better: str
+
+    def __post_init__(self) -> None:
+        if self.better not in ("lower", "higher"):
+            raise ValueError(f"Claim.better must be 'lower' or 'higher', got {self.better!r}")
+
+    @property
+    def prediction(self) -> str:
+        return f"DIFF {'<' if self.better == 'lower' else '>'} Transformer"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    claim: Claim
+    model: str
+    differences: tuple[float, ...]
+    mean: float
+    stderr: float
+    verdict: str
+
+    def measured(self) -> str:
+        if math.isnan(self.stderr):
+            return f"{self.mean:+.4g} (n={len(self.differences)})"
+        return f"{self.mean:+.4g} ± {self.stderr:.2g} (n={len(self.differences)})"
+
+
+def judge(differences: Sequence[float], better: str, z: float = 2.0) -> tuple[float, float, str]:
+    """``(mean, standard error, verdict)`` of paired differences DIFF − baseline."""
+    values = [float(d) for d in differences if not math.isnan(float(d))]
+    if not values:
+        return math.nan, math.nan, "inconclusive"
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan, "inconclusive"
+    stderr = statistics.stdev(values) / math.sqrt(len(values))
+    if abs(mean) <= z * stderr or mean == 0.0:
+        return mean, stderr, "inconclusive"
+    predicted = mean < 0 if better == "lower" else mean > 0
+    return mean, stderr, "supported" if predicted else "not supported"
+
+
+def evaluate_claims(
+    claims: Sequence[Claim],
+    per_seed: Mapping[str, Sequence[Mapping[str, float]]],
+    baseline: str = "baseline",
+    z: float = 2.0,
+) -> list[Verdict]:
+    """Verdicts of every claim for every non-baseline model.
+
+    ``per_seed[model][i]`` holds the measurements of ``model`` trained with the i-th seed; the
+    baseline's list is paired with each model's by index.
+    """
+    if baseline not in per_seed:
+        raise ValueError(f"no measurements of the baseline {baseline!r}")
+    reference = per_seed[baseline]
+    out = []
+    for model, runs in per_seed.items():
+        if model == baseline:
+            continue
+        if len(runs) != len(reference):
+            raise ValueError(
+                f"{model} has {len(runs)} seeds and {baseline} {len(reference)}; claims compare "
+                "runs paired by seed"
+            )
+        for claim in claims:
+            diffs = tuple(
+                float(run.get(claim.key, math.nan)) - float(ref.get(claim.key, math.nan))
+                for run, ref in zip(runs, reference, strict=True)
+            )
+            mean, stderr, verdict = judge(diffs, claim.better, z)
+            out.append(Verdict(claim, model, diffs, mean, stderr, verdict))
+    return out
+
+
+def claims_table(verdicts: Sequence[Verdict], z: float = 2.0) -> str:
+    """The report's claims table (markdown) with the rule stated below it."""
+    lines = [
+        "| claim | source | model | prediction | measured: DIFF − Transformer | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v in verdicts:
+        lines.append(
+            f"| {v.claim.statement} | {v.claim.source} | {v.model} | {v.claim.prediction} "
+            f"({v.claim.key}) | {v.measured()} | {v.verdict} |"
+        )
+    rule = (
+        f"\nVerdict rule: paired differences over seeds, mean ± standard error; *supported* when "
+        f"the mean lies on the predicted side by more than {z:g} standard errors, *not "
+        f"supported* when on the other side by more than {z:g}, else *inconclusive* (always "
+        "with fewer than two seeds).\n"
+    )
+    return "\n".join(lines) + "\n" + rule

@@ -1,0 +1,66 @@
+"""The claims verdict rule on synthetic numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from diffattn.compare.claims import Claim, claims_table, evaluate_claims, judge
+
+LOSS = Claim("loss", "lower validation loss", "DIFF V1 Fig 3", "lower")
+NEEDLE = Claim("needle", "better multi-needle retrieval", "DIFF V1 Tab 2", "higher")
+
+
+def test_clear_effects_in_either_direction_and_noise():
+    assert judge([-0.10, -0.12, -0.11], "lower")[2] == "supported"
+    assert judge([0.10, 0.12, 0.11], "lower")[2] == "not supported"
+    assert judge([0.2, 0.25, 0.22], "higher")[2] == "supported"
+    assert judge([-0.3, 0.2, 0.05], "lower")[2] == "inconclusive"  # spread swamps the mean
+    mean, stderr, verdict = judge([-0.5], "lower")
+    assert verdict == "inconclusive" and mean == -0.5 and math.isnan(stderr)
+    assert judge([], "lower")[2] == "inconclusive"
+    assert judge([0.0, 0.0, 0.0], "lower")[2] == "inconclusive"
+
+
+def test_the_threshold_is_z_standard_errors():
+    diffs = [-1.0, -3.0]  # mean -2, sd √2, se 1
+    assert judge(diffs, "lower", z=1.9)[2] == "supported"
+    assert judge(diffs, "lower", z=2.1)[2] == "inconclusive"
+
+
+def test_paired_by_seed_for_each_model_and_rendered_with_the_rule():
+    per_seed = {
+        "baseline": [
+            {"loss": 5.0, "needle": 0.1},
+            {"loss": 5.2, "needle": 0.2},
+            {"loss": 4.9, "needle": 0.1},
+        ],
+        "diff_v1": [
+            {"loss": 5.3, "needle": 0.1},
+            {"loss": 5.5, "needle": 0.3},
+            {"loss": 5.2, "needle": 0.1},
+        ],
+        "diff_v2": [
+            {"loss": 4.9, "needle": 0.1},
+            {"loss": 5.1, "needle": 0.2},
+            {"loss": 4.8, "needle": 0.1},
+        ],
+    }
+    verdicts = {(v.model, v.claim.key): v for v in evaluate_claims([LOSS, NEEDLE], per_seed)}
+    assert verdicts["diff_v1", "loss"].verdict == "not supported"  # +0.3 on every seed
+    assert verdicts["diff_v2", "loss"].verdict == "supported"  # −0.1 on every seed
+    assert verdicts["diff_v1", "needle"].verdict == "inconclusive"
+    assert verdicts["diff_v2", "loss"].mean == pytest.approx(-0.1)
+    table = claims_table(list(verdicts.values()))
+    assert "| lower validation loss | DIFF V1 Fig 3 | diff_v1 | DIFF < Transformer" in table
+    assert "Verdict rule" in table and "2 standard errors" in table
+
+
+def test_unpaired_runs_and_bad_claims_are_errors():
+    with pytest.raises(ValueError, match="paired by seed"):
+        evaluate_claims([LOSS], {"baseline": [{"loss": 1.0}], "diff_v1": []})
+    with pytest.raises(ValueError, match="baseline"):
+        evaluate_claims([LOSS], {"diff_v1": [{"loss": 1.0}]})
+    with pytest.raises(ValueError, match="better"):
+        Claim("loss", "x", "y", "smaller")
