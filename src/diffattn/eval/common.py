@@ -283,6 +283,34 @@ def write_outputs(
     return out / RESULTS_NAME
 
 
+def settings_of(args: Any, keys: Sequence[str]) -> dict[str, Any]:
+    """The experiment's settings from the parsed command line (``run`` keyword names)."""
+    return {key: getattr(args, key) for key in keys}
+
+
+def finish(
+    args: Any,
+    experiment: str,
+    results: dict[str, Any],
+    models: Sequence[EvalModel],
+    report: str,
+    settings: dict[str, Any],
+    figures: Sequence[Path | None] = (),
+    data_fingerprint: str | None = None,
+) -> int:
+    """The end of every ``diffattn eval`` command: write the outputs, print the report.
+    ``figures`` that are ``None`` (not drawn) are skipped; the fingerprint defaults to
+    ``results["data_fingerprint"]``."""
+    figures = [f for f in figures if f is not None]
+    fingerprint_value = data_fingerprint or results.get("data_fingerprint")
+    path = write_outputs(
+        args.out, experiment, results, models, report, settings, fingerprint_value, figures
+    )
+    print(report)
+    print(f"wrote {path}")
+    return 0
+
+
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A markdown table; floats get 4 significant digits."""
 

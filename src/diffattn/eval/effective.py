@@ -31,12 +31,13 @@ import torch
 
 from diffattn.eval.common import (
     EvalModel,
+    finish,
     markdown_table,
     models_from_args,
     progress,
     pyplot,
     save_figure,
-    write_outputs,
+    settings_of,
 )
 from diffattn.eval.text import DATA_SETTINGS, add_data_arguments, model_windows, start_run
 
@@ -213,13 +214,7 @@ def report(results: dict[str, Any]) -> str:
 def main(args: Any) -> int:
     models = models_from_args(args)
     keys = (*DATA_SETTINGS, "windows", "max_heads", "steps", "lr", "optimizer", "seed")
-    settings = {k: getattr(args, k) for k in keys}
+    settings = settings_of(args, keys)
     results = run(models, quiet=args.quiet, **settings)
     figure = plot_agreement(results, Path(args.out) / "effective_agreement.png")
-    text = report(results)
-    write_outputs(
-        args.out, NAME, results, models, text, settings, results["data_fingerprint"], [figure]
-    )
-    print(text)
-    print(f"wrote {Path(args.out) / 'results.json'}")
-    return 0
+    return finish(args, NAME, results, models, report(results), settings, [figure])

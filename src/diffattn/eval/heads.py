@@ -39,12 +39,13 @@ import torch
 from diffattn.eval.common import (
     EvalModel,
     batches,
+    finish,
     markdown_table,
     models_from_args,
     progress,
     pyplot,
     save_figure,
-    write_outputs,
+    settings_of,
 )
 from diffattn.eval.text import DATA_SETTINGS, add_data_arguments, model_windows, padded, start_run
 from diffattn.probe import AttentionEntropy, Capture, HeadOutputs, Probe
@@ -575,7 +576,7 @@ def main(args: Any) -> int:
     layer = n_layers // 2 if args.layer is None else args.layer
     if not 0 <= layer < n_layers:
         raise ValueError(f"--layer must be between 0 and {n_layers - 1}, got {layer}")
-    settings = {k: getattr(args, k) for k in (*DATA_SETTINGS, "batch_size", "seed")}
+    settings = settings_of(args, (*DATA_SETTINGS, "batch_size", "seed"))
     results = run(models, quiet=args.quiet, **settings)
     settings["layer"] = layer
     out = Path(args.out)
@@ -603,11 +604,4 @@ def main(args: Any) -> int:
         plot_matrices(results, "cka", layer, "Linear CKA of head outputs", out / "cka.png"),
         plot_dex(results, out / "dex_shift.png"),
     ]
-    figures = [f for f in figures if f is not None]
-    text = report(results)
-    write_outputs(
-        args.out, NAME, results, models, text, settings, results["data_fingerprint"], figures
-    )
-    print(text)
-    print(f"wrote {out / 'results.json'}")
-    return 0
+    return finish(args, NAME, results, models, report(results), settings, figures)

@@ -32,12 +32,13 @@ import torch
 from diffattn.eval.common import (
     EvalModel,
     batches,
+    finish,
     markdown_table,
     models_from_args,
     progress,
     pyplot,
     save_figure,
-    write_outputs,
+    settings_of,
 )
 from diffattn.eval.text import DATA_SETTINGS, add_data_arguments, model_windows, padded, start_run
 
@@ -248,13 +249,7 @@ def report(results: dict[str, Any]) -> str:
 def main(args: Any) -> int:
     models = models_from_args(args)
     keys = (*DATA_SETTINGS, "batches", "iters", "tol", "params", "batch_size", "seed")
-    settings = {k: getattr(args, k) for k in keys}
+    settings = settings_of(args, keys)
     results = run(models, quiet=args.quiet, **settings)
     figure = plot_spectra(results, Path(args.out) / "hessian_spectra.png")
-    text = report(results)
-    write_outputs(
-        args.out, NAME, results, models, text, settings, results["data_fingerprint"], [figure]
-    )
-    print(text)
-    print(f"wrote {Path(args.out) / 'results.json'}")
-    return 0
+    return finish(args, NAME, results, models, report(results), settings, [figure])

@@ -36,14 +36,23 @@ import torch
 
 from diffattn.eval.common import (
     EvalModel,
-    fingerprint,
+    finish,
     markdown_table,
     models_from_args,
+    pyplot,
     require_tokenizer,
-    seed_everything,
-    write_outputs,
+    save_figure,
+    settings_of,
 )
-from diffattn.eval.text import add_data_arguments, context_limit, documents, window_nll, windows
+from diffattn.eval.text import (
+    DATA_SETTINGS,
+    add_data_arguments,
+    check_seq_len,
+    documents,
+    start_run,
+    window_nll,
+    windows,
+)
 
 NAME = "loss"
 HELP = "validation loss with AR-Hit / Others slices and cumulative NLL by position (DIFF Tab 6)"
@@ -106,9 +115,7 @@ def evaluate_model(
 ) -> dict[str, Any]:
     tokenizer = require_tokenizer(model)
     token_docs = (tokenizer.encode(d) for d in docs)  # lazily: stops at the budget
-    limit = context_limit(model) or seq_len
-    if seq_len > limit:
-        raise ValueError(f"--seq-len {seq_len} exceeds {model.name}'s context of {limit} tokens")
+    check_seq_len(model, seq_len)
     pieces, owner = windows(token_docs, seq_len, max_tokens)
     if not pieces:
         raise ValueError("no window of at least 2 tokens; use more data or a larger budget")
@@ -176,22 +183,16 @@ def run(
     quiet: bool = True,
 ) -> dict[str, Any]:
     """Fine-grained loss of every model on the same documents (see the module docstring)."""
-    if seq_len < 2 or max_tokens < 2 or batch_size < 1:
-        raise ValueError("--seq-len and --max-tokens must be at least 2, --batch-size at least 1")
     if exclude_frequent and not train_data:
         raise ValueError("--exclude-frequent needs --train-data to count n-grams on")
-    seed_everything(seed)
-    docs = documents(data, split, valid_fraction, data_seed)
-    results: dict[str, Any] = {
-        "models": {},
-        "documents": len(docs),
-        "data_fingerprint": fingerprint(docs),
-    }
+    docs, results = start_run(
+        data, split, valid_fraction, data_seed, seq_len, max_tokens, batch_size, seed
+    )
+    train_docs = documents(train_data, "all", valid_fraction, data_seed) if exclude_frequent else []
     for model in models:
         exclude = None
         if exclude_frequent:
             tokenizer = require_tokenizer(model)
-            train_docs = documents(train_data, "all", valid_fraction, data_seed)
             exclude = frequent_ngrams(
                 (tokenizer.encode(d) for d in train_docs), ngram, exclude_frequent
             )
@@ -202,10 +203,7 @@ def run(
 
 
 def plot_cumulative(results: dict[str, Any], path: Path) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     curves = {n: r["cumulative_nll"] for n, r in results["models"].items() if r["cumulative_nll"]}
     if not curves:
@@ -219,10 +217,7 @@ def plot_cumulative(results: dict[str, Any], path: Path) -> Path | None:
     ax.set_title("Cumulative NLL by position (DIFF V1 Fig 4)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def report(results: dict[str, Any]) -> str:
@@ -260,35 +255,8 @@ def report(results: dict[str, Any]) -> str:
 
 def main(args: Any) -> int:
     models = models_from_args(args)
-    settings = {
-        k: getattr(args, k)
-        for k in (
-            "data",
-            "split",
-            "valid_fraction",
-            "data_seed",
-            "seq_len",
-            "max_tokens",
-            "ngram",
-            "exclude_frequent",
-            "train_data",
-            "batch_size",
-            "seed",
-        )
-    }
+    keys = (*DATA_SETTINGS, "ngram", "exclude_frequent", "train_data", "batch_size", "seed")
+    settings = settings_of(args, keys)
     results = run(models, quiet=args.quiet, **settings)
     figure = plot_cumulative(results, Path(args.out) / "cumulative_nll.png")
-    text = report(results)
-    write_outputs(
-        args.out,
-        NAME,
-        results,
-        models,
-        text,
-        settings,
-        results["data_fingerprint"],
-        [figure] if figure else [],
-    )
-    print(text)
-    print(f"wrote {Path(args.out) / 'results.json'}")
-    return 0
+    return finish(args, NAME, results, models, report(results), settings, [figure])

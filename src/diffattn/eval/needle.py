@@ -64,12 +64,15 @@ from diffattn.eval.common import (
     TextTokenizer,
     batches,
     fingerprint,
+    finish,
     markdown_table,
     models_from_args,
     progress,
+    pyplot,
     require_tokenizer,
+    save_figure,
     seed_everything,
-    write_outputs,
+    settings_of,
 )
 from diffattn.eval.text import context_limit
 
@@ -596,10 +599,7 @@ def run(
 
 def plot_heatmap(name: str, result: dict[str, Any], path: Path) -> Path:
     """Accuracy by depth (y) and length (x), annotated, like DIFF V1 Fig 5."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     depths = sorted({c["depth"] for c in result["cells"]})
     lengths = sorted({c["length"] for c in result["cells"]})
@@ -617,10 +617,7 @@ def plot_heatmap(name: str, result: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("answer depth")
     ax.set_title(f"Multi-needle retrieval: {name}")
     fig.colorbar(image, ax=ax, label="accuracy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def report(results: dict[str, Any]) -> str:
@@ -658,9 +655,9 @@ def _safe(name: str) -> str:
 
 def main(args: Any) -> int:
     models = models_from_args(args)
-    settings = {
-        k: getattr(args, k)
-        for k in (
+    settings = settings_of(
+        args,
+        (
             "needles",
             "queries",
             "lengths",
@@ -671,19 +668,21 @@ def main(args: Any) -> int:
             "batch_size",
             "max_new_tokens",
             "attention",
-        )
-    }
+        ),
+    )
     results = run(models, quiet=args.quiet, **settings)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     figures = [
         plot_heatmap(name, r, out / f"needle_{_safe(name)}.png")
         for name, r in results["models"].items()
     ]
-    text = report(results)
-    write_outputs(
-        out, NAME, results, models, text, settings, results["samples_fingerprint"], figures
+    return finish(
+        args,
+        NAME,
+        results,
+        models,
+        report(results),
+        settings,
+        figures,
+        data_fingerprint=results["samples_fingerprint"],
     )
-    print(text)
-    print(f"wrote {out / 'results.json'}")
-    return 0

@@ -34,12 +34,13 @@ import torch
 from diffattn.eval.common import (
     EvalModel,
     batches,
+    finish,
     markdown_table,
     models_from_args,
     progress,
     pyplot,
     save_figure,
-    write_outputs,
+    settings_of,
 )
 from diffattn.eval.text import (
     DATA_SETTINGS,
@@ -242,17 +243,11 @@ def report(results: dict[str, Any]) -> str:
 
 def main(args: Any) -> int:
     models = models_from_args(args)
-    settings = {k: getattr(args, k) for k in (*DATA_SETTINGS, "bits", "batch_size", "seed")}
+    settings = settings_of(args, (*DATA_SETTINGS, "bits", "batch_size", "seed"))
     results = run(models, quiet=args.quiet, **settings)
     out = Path(args.out)
     figures = [
         plot_topk(results, out / "outliers_topk.png"),
         plot_bits(results, out / "quantized_loss.png"),
     ]
-    text = report(results)
-    write_outputs(
-        args.out, NAME, results, models, text, settings, results["data_fingerprint"], figures
-    )
-    print(text)
-    print(f"wrote {out / 'results.json'}")
-    return 0
+    return finish(args, NAME, results, models, report(results), settings, figures)

@@ -105,16 +105,18 @@ def context_limit(model: EvalModel) -> int | None:
     return getattr(config, "max_seq_len", None) or getattr(config, "max_position_embeddings", None)
 
 
+def check_seq_len(model: EvalModel, seq_len: int) -> None:
+    """``ValueError`` when windows of ``seq_len`` tokens do not fit ``model``'s context."""
+    limit = context_limit(model) or seq_len
+    if seq_len > limit:
+        raise ValueError(f"--seq-len {seq_len} exceeds {model.name}'s context of {limit} tokens")
+
+
 def model_windows(
     model: EvalModel, docs: Sequence[str], seq_len: int, max_tokens: int
 ) -> list[list[int]]:
     """``model``'s tokenization of ``docs`` cut into windows as eval loss cuts them."""
-    config = getattr(model.model, "config", None)
-    limit = getattr(config, "max_seq_len", None) or getattr(
-        config, "max_position_embeddings", seq_len
-    )
-    if seq_len > limit:
-        raise ValueError(f"--seq-len {seq_len} exceeds {model.name}'s context of {limit} tokens")
+    check_seq_len(model, seq_len)
     tokenizer = require_tokenizer(model)
     pieces, _ = windows((tokenizer.encode(d) for d in docs), seq_len, max_tokens)
     if not pieces:
@@ -132,13 +134,7 @@ def window_nll(
     out: list[torch.Tensor] = []
     groups = list(batches(pieces, batch_size))
     for group in progress(groups, len(groups), f"loss {model.name}", quiet):
-        width = max(len(p) for p in group)
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.long)
-        for row, piece in enumerate(group):
-            ids[row, : len(piece)] = torch.tensor(piece)
-            mask[row, : len(piece)] = 1
-        ids, mask = ids.to(model.device), mask.to(model.device)
+        ids, mask = padded(group, model.device)
         logits = model.model(input_ids=ids, attention_mask=mask).logits
         nll = token_nll(logits, ids, mask).cpu()
         out.extend(nll[row, : len(piece) - 1] for row, piece in enumerate(group))
