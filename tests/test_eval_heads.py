@@ -165,13 +165,14 @@ def test_dex_figure(corpus, tmp_path):  # noqa: F811
     assert "Fig 11a" in heads.report(results)
 
 
-def test_gate_importance_equals_head_importance():
+def test_probe_importance_equals_dex_head_importance():
     from diffattn.dex.selection import head_importance
+    from diffattn.probe.analysis import head_importance as probe_importance
 
     model = tiny_hf("llama")
     ids = torch.randint(0, 100, (3, 12))
     mask = torch.ones_like(ids)
     mask[2, 8:] = 0
     expected = head_importance(model, {"input_ids": ids, "attention_mask": mask})
-    got = heads.gate_importance(model, [(ids, mask)])
+    got = probe_importance(model, [(ids, mask)])
     assert torch.allclose(got.float(), expected, rtol=1e-5, atol=1e-8)

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from diffattn.dex.sites import AttentionSite, find_attention
-from diffattn.probe import AttentionEntropy, HeadGates, Probe, eval_mode
+from diffattn.probe import AttentionEntropy, Probe, eval_mode
+from diffattn.probe.analysis import head_importance as probe_head_importance
 
 METHODS = ("importance", "entropy", "all", "explicit")
 DEFAULT_ORDER = {"importance": "low", "entropy": "high"}
@@ -208,18 +208,6 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _sequence_losses(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None):
-    """Mean next-token cross-entropy of each sequence, ``(B,)``; padding ignored."""
-    targets = ids[:, 1:].clone()
-    if mask is not None:  # a target counts when it and the token predicting it are real
-        targets[(mask[:, 1:] == 0) | (mask[:, :-1] == 0)] = -100
-    per_token = F.cross_entropy(
-        logits[:, :-1].float().transpose(1, 2), targets, ignore_index=-100, reduction="none"
-    )
-    counts = (targets != -100).sum(-1).clamp_min(1)
-    return per_token.sum(-1) / counts
-
-
 def head_importance(model: nn.Module, batches: Any) -> torch.Tensor:
     """Michel et al. (2019) importance, ``(n_layers, n_heads)``: E_x |∂L(x)/∂ξ_h| (fp32).
 
@@ -230,19 +218,11 @@ def head_importance(model: nn.Module, batches: Any) -> torch.Tensor:
     sites = find_attention(model)
     _same_head_count(sites)
     device = _device(model)
-    total = torch.zeros(len(sites), sites[0].n_heads, dtype=torch.float64)
-    count = 0
-    gates = HeadGates()
-    with eval_mode(model), torch.enable_grad(), Probe(model, [gates]):
-        for ids, mask in _batches(batches):
-            ids = ids.to(device)
-            mask = mask.to(device) if mask is not None else None
-            logits = model(input_ids=ids, attention_mask=mask).logits
-            loss = _sequence_losses(logits, ids, mask).sum()
-            grads = torch.autograd.grad(loss, gates.ordered())
-            total += torch.stack([g.abs().sum(0) for g in grads]).double().cpu()
-            count += ids.shape[0]
-    return (total / count).float()
+    on_device = (
+        (ids.to(device), mask.to(device) if mask is not None else None)
+        for ids, mask in _batches(batches)
+    )
+    return probe_head_importance(model, on_device).float()
 
 
 @torch.no_grad()

@@ -316,37 +316,11 @@ def _stack(per_layer: dict[int, torch.Tensor], n_layers: int) -> torch.Tensor:
     return out
 
 
-def gate_importance(model: torch.nn.Module, groups) -> torch.Tensor:
-    """Michel et al. importance E_x |∂L(x)/∂ξ_h| ``(n_layers, n_heads)`` through the probe's
-    :class:`~diffattn.probe.HeadGates`, for any model the probe supports (DIFF included).
-    The same definition as :func:`diffattn.dex.selection.head_importance`, which only takes
-    the softmax models Dex can extend."""
-    from diffattn.probe import HeadGates, eval_mode, token_nll
-
-    gates, total, count = HeadGates(), None, 0
-    with eval_mode(model), torch.enable_grad(), Probe(model, [gates]):
-        for ids, mask in groups:
-            logits = model(input_ids=ids, attention_mask=mask).logits
-            nll = token_nll(logits, ids, mask)
-            valid = ~torch.isnan(nll)
-            per_sequence = torch.where(valid, nll, 0.0).sum(-1) / valid.sum(-1).clamp_min(1)
-            grads = torch.autograd.grad(per_sequence.sum(), gates.ordered())
-            step = torch.stack([g.abs().sum(0) for g in grads]).double().cpu()
-            total = step if total is None else total + step
-            count += ids.shape[0]
-    return total / count
-
-
 def importance_figures(model: EvalModel, groups: Sequence[tuple[torch.Tensor, torch.Tensor]]):
     """Raw, per-layer max-normalised and sorted (descending) head importance."""
-    from diffattn.dex.selection import head_importance
+    from diffattn.probe.analysis import head_importance
 
-    try:
-        raw = head_importance(
-            model.model, [{"input_ids": i, "attention_mask": m} for i, m in groups]
-        ).double()
-    except ValueError:  # differential attention: gate the heads through the probe directly
-        raw = gate_importance(model.model, groups)
+    raw = head_importance(model.model, groups)
     normalised = raw / raw.amax(1, keepdim=True).clamp_min(1e-30)
     return raw, normalised, normalised.sort(1, descending=True).values
 
