@@ -27,6 +27,15 @@ from diffattn.config import ModelConfig
 from diffattn.layers import RMSNorm
 
 
+def reparameterised_lambda(module: nn.Module) -> torch.Tensor:
+    """Eq.2 for any module holding ``lambda_q1``, ``lambda_k1``, ``lambda_q2``, ``lambda_k2``
+    and ``lambda_init`` (ours, or Hugging Face's DiffLlama): exp(λq1·λk1) − exp(λq2·λk2) +
+    λ_init, in fp32 (0-d tensor)."""
+    dot1 = torch.sum(module.lambda_q1.float() * module.lambda_k1.float())
+    dot2 = torch.sum(module.lambda_q2.float() * module.lambda_k2.float())
+    return torch.exp(dot1) - torch.exp(dot2) + module.lambda_init
+
+
 class DiffAttentionV1(nn.Module):
     """Eq.3: ``Concat((1 − λ_init)·RMSNorm(DiffAttn_j(X))) W_O`` with λ from Eq.2."""
 
@@ -65,9 +74,7 @@ class DiffAttentionV1(nn.Module):
 
     def lambda_full(self) -> torch.Tensor:
         """Eq.2: λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init, computed in fp32 (0-d tensor)."""
-        dot1 = torch.sum(self.lambda_q1.float() * self.lambda_k1.float())
-        dot2 = torch.sum(self.lambda_q2.float() * self.lambda_k2.float())
-        return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
+        return reparameterised_lambda(self)
 
     def forward(
         self,

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from diffattn.attention.diff_v1 import reparameterised_lambda
 from diffattn.attention.observe import AttentionEvent
 from diffattn.probe.core import Capture, Probe
 from diffattn.probe.reducers import RunningStats
@@ -482,12 +483,8 @@ class Lambda(Capture):
         out = []
         for view in self.probe.layers:
             attn = view.attention
-            if view.kind == "diff_v1":
-                out.append(attn.lambda_full())
-            elif view.kind == "diffllama":
-                dot1 = torch.sum(attn.lambda_q1.float() * attn.lambda_k1.float())
-                dot2 = torch.sum(attn.lambda_q2.float() * attn.lambda_k2.float())
-                out.append(torch.exp(dot1) - torch.exp(dot2) + attn.lambda_init)
+            if view.kind in ("diff_v1", "diffllama"):
+                out.append(reparameterised_lambda(attn))
         return out
 
     def result(self) -> dict[str, list[float]]:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from diffattn.attention.diff_v1 import reparameterised_lambda
 from diffattn.attention.mask import AttentionMask
 from diffattn.attention.observe import (
     AttentionEvent,
@@ -96,10 +97,7 @@ class _DiffLlamaEvents(AttentionObserver):
         self.module, self.observer = module, observer
         self.block_rows = observer.block_rows
         with torch.no_grad():
-            m = module
-            dot1 = torch.sum(m.lambda_q1.float() * m.lambda_k1.float())
-            dot2 = torch.sum(m.lambda_q2.float() * m.lambda_k2.float())
-            self.lam = torch.exp(dot1) - torch.exp(dot2) + m.lambda_init
+            self.lam = reparameterised_lambda(module)
 
     def transform_logits(self, layer, logits, allowed):
         return self.observer.transform_logits(layer, logits, allowed)
