@@ -519,10 +519,11 @@ def test_cli_greedy_static_cache_and_no_echo(model_dir, capsys):
 
 
 def test_text_streamer_holds_back_split_characters():
-    from diffattn.commands.generate import TextStreamer, Tokenizer
+    from diffattn.commands.generate import TextStreamer
+    from diffattn.loading import TextTokenizer
 
     raw = _byte_level_tokenizer()
-    tokenizer = Tokenizer(raw)
+    tokenizer = TextTokenizer(raw)
     text = "ü€ 🧪 ok"  # characters absent from the training text: one token per byte
     ids = raw.encode(text).ids
     assert len(ids) > len(text)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -252,6 +253,35 @@ def _load_hf_model(directory: Path, device: Any, dtype: Any) -> Any:
             f"{directory}: cannot be loaded as a Hugging Face causal language model ({error})"
         ) from error
     return model.to(device).eval()
+
+
+class TextTokenizer:
+    """``encode`` / ``decode`` / ``eos_token_id`` over what :func:`load_tokenizer` returns: a
+    Hugging Face tokenizer or a ``tokenizers.Tokenizer``."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self._is_hf = hasattr(backend, "convert_ids_to_tokens")
+
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """Token ids of ``text``; ``special`` adds the tokens the tokenizer adds (e.g. BOS)."""
+        if self._is_hf:
+            return list(self.backend.encode(text, add_special_tokens=special))
+        return list(self.backend.encode(text, add_special_tokens=special).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = [int(i) for i in ids]
+        if self._is_hf:
+            return self.backend.decode(
+                ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        if self._is_hf:
+            return getattr(self.backend, "eos_token_id", None)
+        return None
 
 
 def has_tokenizer(directory: str | os.PathLike) -> bool:

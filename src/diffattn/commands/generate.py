@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from diffattn.loading import TextTokenizer
+
 DESCRIPTION = (
     "Generate text with a diffattn model directory and the tokenizer saved beside it, "
     "streaming tokens to stdout as they are produced."
@@ -69,42 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ----------------------------------------------------------------------------------------
 # tokenizers
-class Tokenizer:
-    """The two calls generation needs, over an HF tokenizer or a ``tokenizers.Tokenizer``."""
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self._is_hf = hasattr(backend, "convert_ids_to_tokens")
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, with the special tokens the tokenizer adds (e.g. BOS)."""
-        if self._is_hf:
-            return list(self.backend.encode(text, add_special_tokens=True))
-        return list(self.backend.encode(text).ids)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, special tokens (EOS, padding) left out."""
-        ids = list(ids)
-        if self._is_hf:
-            return self.backend.decode(
-                ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-            )
-        return self.backend.decode(ids, skip_special_tokens=True)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return getattr(self.backend, "eos_token_id", None) if self._is_hf else None
-
-
-def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+def load_tokenizer(model_dir: str | Path) -> TextTokenizer:
     """The tokenizer saved in ``model_dir`` (:func:`diffattn.loading.load_tokenizer`); a
     missing or broken one is a :class:`~diffattn.fileio.CheckpointError`."""
     from diffattn.loading import load_tokenizer as load_saved_tokenizer
 
-    return Tokenizer(load_saved_tokenizer(model_dir))
+    return TextTokenizer(load_saved_tokenizer(model_dir))
 
 
-def eos_token_ids(model_dir: str | Path, tokenizer: Tokenizer) -> int | list[int] | None:
+def eos_token_ids(model_dir: str | Path, tokenizer: TextTokenizer) -> int | list[int] | None:
     """EOS id(s): ``generation_config.json``, else the tokenizer, else ``config.json``."""
     from diffattn.fileio import read_json
 
@@ -133,7 +108,7 @@ class TextStreamer:
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: TextTokenizer,
         prompt_ids: Sequence[int] = (),
         write: Callable[[str], Any] | None = None,
         echo: bool = True,
@@ -216,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {"backend": args.backend} if args.backend else {}
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model = load_model(model_dir, device=device, dtype=dtype, **overrides)
-    prompt_ids = tokenizer.encode(args.prompt)
+    prompt_ids = tokenizer.encode(args.prompt, special=True)  # with BOS where it adds one
     if not prompt_ids:
         raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
     streamer = TextStreamer(tokenizer, prompt_ids, echo=not args.no_echo)

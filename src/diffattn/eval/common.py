@@ -26,37 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffattn.loading import TextTokenizer
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RESULTS_NAME = "results.json"
 REPORT_NAME = "report.md"
-
-
-class TextTokenizer:
-    """``encode`` / ``decode`` over a Hugging Face tokenizer or a ``tokenizers.Tokenizer``."""
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self._is_hf = hasattr(backend, "convert_ids_to_tokens")
-
-    def encode(self, text: str, special: bool = False) -> list[int]:
-        """Token ids of ``text``; ``special`` adds the tokens the tokenizer adds (e.g. BOS)."""
-        if self._is_hf:
-            return list(self.backend.encode(text, add_special_tokens=special))
-        return list(self.backend.encode(text, add_special_tokens=special).ids)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        ids = [int(i) for i in ids]
-        if self._is_hf:
-            return self.backend.decode(
-                ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-            )
-        return self.backend.decode(ids, skip_special_tokens=True)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        if self._is_hf:
-            return getattr(self.backend, "eos_token_id", None)
-        return None
 
 
 @dataclass
