@@ -53,12 +53,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from diffattn import fileio
 from diffattn.config import ModelConfig
 from diffattn.model import DiffTransformerLM
+from diffattn.probe import eval_mode, token_nll
 from diffattn.train import checkpoint as ckpt
 from diffattn.train import distributed
 from diffattn.train.config import (
@@ -1059,31 +1059,20 @@ def evaluate(
             "the held-out split is too small for one evaluation batch; use more text "
             "(data.sources) or lower eval_batch_size"
         )
-    was_training = model.training
-    model.eval()
     totals = torch.zeros(2, device=device, dtype=torch.float64)
     token_losses = []
-    for batch in batches:
-        for chunk in batch.to(device).split(micro_batch_size):
-            with _autocast(device, dtype):
-                output = model(chunk, labels=chunk)
-            totals[0] += output.loss.double() * chunk.shape[0]
-            totals[1] += chunk.shape[0]
-            if return_token_losses:
-                token_losses.append(next_token_losses(output.logits, chunk).cpu())
+    with eval_mode(model):
+        for batch in batches:
+            for chunk in batch.to(device).split(micro_batch_size):
+                with _autocast(device, dtype):
+                    output = model(chunk, labels=chunk)
+                totals[0] += output.loss.double() * chunk.shape[0]
+                totals[1] += chunk.shape[0]
+                if return_token_losses:
+                    token_losses.append(token_nll(output.logits, chunk).cpu())
     distributed.all_reduce_sum(totals)
-    model.train(was_training)
     losses = torch.cat(token_losses) if return_token_losses else None
     return Evaluation(float(totals[0] / totals[1]), losses)
-
-
-def next_token_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``(B, N - 1)`` cross-entropy of predicting ``tokens[:, 1:]`` from ``logits[:, :-1]``."""
-    predicted = logits[:, :-1].float()
-    losses = F.cross_entropy(
-        predicted.reshape(-1, predicted.shape[-1]), tokens[:, 1:].reshape(-1), reduction="none"
-    )
-    return losses.view(tokens.shape[0], -1)
 
 
 # ----------------------------------------------------------------------------------------
