@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from diffattn.cli import main
+from diffattn.data import synthetic
 from diffattn.eval import needle
 from diffattn.eval.common import TextTokenizer, load_models
 from helpers import tiny_diffattn, tiny_hf
@@ -57,7 +58,7 @@ def test_samples_have_unique_cities_and_numbers():
     for cell in cells.values():
         for s in cell:
             assert len(set(s.cities)) == 20 and len(set(s.numbers)) == 20
-            assert all(len(n) == needle.DIGITS for n in s.numbers)
+            assert all(len(n) == synthetic.DIGITS for n in s.numbers)
             assert s.answers == s.numbers[:3]
             assert "Question: What are the magic numbers of" in s.question()
     again = needle.make_samples(20, 3, [100], [0, 50], 5, seed=1)

@@ -4,6 +4,8 @@ A *source spec* is one string:
 
 * ``"stdlib[:MAX_BYTES|:all]"``: the embedded default corpus (:mod:`diffattn.data.corpus`),
   capped at 16 MB unless the suffix says otherwise;
+* ``"synthetic:TASK[?key=value&...]"``: generated retrieval documents, associative recall or
+  needles among distractors (:mod:`diffattn.data.synthetic`);
 * ``"hf:NAME[:CONFIG][@SPLIT][?key=value&...]"``: a ``datasets`` dataset, streamed
   (``@SPLIT`` defaults to ``train``; the query passes ``data_files``, ``data_dir`` or
   ``revision`` to ``datasets.load_dataset``, e.g. ``hf:json?data_files=/data/*.jsonl``);
@@ -39,6 +41,9 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal, get_args
 from urllib.parse import parse_qsl
 
+from diffattn.data.synthetic import GENERATOR_VERSION as SYNTHETIC_GENERATOR_VERSION
+from diffattn.data.synthetic import is_synthetic_spec, parse_synthetic_spec, synthetic_documents
+
 DocumentSplit = Literal["file", "paragraph", "line"]
 DOCUMENT_SPLITS: tuple[str, ...] = get_args(DocumentSplit)
 
@@ -55,7 +60,8 @@ TEXT_POLICY = "nul-skip-1"
 """Identifies how bad text is handled; part of every source fingerprint (cache key)."""
 
 SOURCE_FORMS = (
-    "'stdlib[:MAX_BYTES|:all]', 'hf:NAME[:CONFIG][@SPLIT][?data_files=...]', "
+    "'stdlib[:MAX_BYTES|:all]', 'synthetic:recall|needle[?docs=N&...]', "
+    "'hf:NAME[:CONFIG][@SPLIT][?data_files=...]', "
     "a file (.txt, .jsonl, .parquet, ...), a directory, or a glob pattern"
 )
 
@@ -220,6 +226,8 @@ def check_source_spec(spec: object) -> str:
         parse_hf_spec(spec)
     elif is_stdlib_spec(spec):
         stdlib_spec_cap(spec)
+    elif is_synthetic_spec(spec):
+        parse_synthetic_spec(spec)
     return spec
 
 
@@ -261,7 +269,7 @@ def check_sources_exist(specs: Iterable[str]) -> None:
     """Fail early (``ValueError`` naming the spec) when a local source does not exist."""
     for spec in specs:
         check_source_spec(spec)
-        if not is_stdlib_spec(spec) and not spec.startswith(HF_PREFIX):
+        if not (is_stdlib_spec(spec) or is_synthetic_spec(spec) or spec.startswith(HF_PREFIX)):
             resolve_files(spec)
 
 
@@ -589,6 +597,8 @@ def _iter_one(
                     return
                 used += size
                 yield text
+    elif is_synthetic_spec(spec):
+        yield from synthetic_documents(spec)
     elif spec.startswith(HF_PREFIX):
         yield from read_hf_dataset(spec, text_field=text_field, stats=stats, strict=strict)
     else:
@@ -673,6 +683,8 @@ def fingerprint_sources(
 
             root = stdlib_root()
             entries.append([spec, sys.version, [_file_entry(p, root) for p in stdlib_files()]])
+        elif is_synthetic_spec(spec):
+            entries.append([spec, SYNTHETIC_GENERATOR_VERSION])
         elif spec.startswith(HF_PREFIX):
             entries.append([spec])
         else:

@@ -59,6 +59,15 @@ from typing import Any
 
 import torch
 
+from diffattn.data.synthetic import (
+    CITIES,
+    HAYSTACK_SENTENCES,
+    NEEDLE_TEMPLATE,
+    QUESTION_MANY,
+    QUESTION_ONE,
+    question,
+    random_numbers,
+)
 from diffattn.eval.common import (
     EvalModel,
     TextTokenizer,
@@ -79,52 +88,9 @@ from diffattn.eval.text import context_limit
 NAME = "needle"
 HELP = "multi-needle retrieval by depth and length, attention to answer and noise (DIFF Tab 2/3)"
 
-NEEDLE_TEMPLATE = " The magic number of {city} is {number}."
-QUESTION_ONE = (
-    "\n\nQuestion: What is the magic number of {city}? Answer: The magic number of {city} is"
-)
-QUESTION_MANY = (
-    "\n\nQuestion: What are the magic numbers of {cities}? Answer: The magic numbers are"
-)
 PROMPT_TEMPLATE = "[BOS] CONTEXT(haystack + needles) QUESTION"
-DIGITS = 7
-
-CITIES = (
-    "Amsterdam", "Athens", "Auckland", "Bangkok", "Barcelona", "Beijing", "Berlin", "Bogota",
-    "Boston", "Brussels", "Budapest", "Buenos Aires", "Cairo", "Cape Town", "Chicago",
-    "Copenhagen", "Dakar", "Delhi", "Dubai", "Dublin", "Edinburgh", "Florence", "Geneva",
-    "Hanoi", "Havana", "Helsinki", "Hong Kong", "Istanbul", "Jakarta", "Johannesburg", "Kyiv",
-    "Lagos", "Lima", "Lisbon", "London", "Los Angeles", "Madrid", "Manila", "Marrakesh",
-    "Melbourne", "Mexico City", "Montreal", "Moscow", "Mumbai", "Munich", "Nairobi", "Oslo",
-    "Paris", "Prague", "Quito", "Reykjavik", "Rome", "Santiago", "Seoul", "Shanghai",
-    "Singapore", "Stockholm", "Sydney", "Taipei", "Tokyo", "Toronto", "Vancouver", "Vienna",
-    "Warsaw", "Zurich",
-)  # fmt: skip
-"""The needle cities (65, all distinct)."""
-
-SYNTHETIC_SENTENCES = (
-    "The morning train left the station a few minutes after the bell rang.",
-    "A small boat drifted along the river while the sun rose over the hills.",
-    "She opened the window and listened to the rain falling on the garden.",
-    "The baker set out fresh bread on the counter before the shop opened.",
-    "Children walked to school past the old library on the corner.",
-    "The farmer checked the fences and counted the sheep in the field.",
-    "A quiet wind moved through the tall grass near the edge of the lake.",
-    "The teacher wrote a short list of words on the board for the class.",
-    "Two friends shared a pot of tea and talked about their plans for the summer.",
-    "The museum closed early because the workers were painting the main hall.",
-    "He repaired the bicycle chain and rode slowly down the empty street.",
-    "Clouds gathered in the evening and the lights came on along the harbour.",
-    "The cat slept on a warm blanket beside the kitchen stove.",
-    "A letter arrived with a stamp showing a mountain covered in snow.",
-    "The gardener planted rows of beans and watered them before noon.",
-    "Travellers waited at the bus stop, reading newspapers and checking the time.",
-    "The old clock in the tower struck twelve as the market filled with people.",
-    "Birds gathered on the roof of the barn after the storm had passed.",
-    "The cook stirred the soup and added a pinch of salt and pepper.",
-    "A long road wound between the fields toward the village in the valley.",
-)
-"""The synthetic haystack: plain sentences written for this module."""
+SYNTHETIC_SENTENCES = HAYSTACK_SENTENCES
+"""The synthetic haystack (shared with the training source ``synthetic:needle``)."""
 
 
 def add_arguments(parser: Any) -> None:
@@ -184,10 +150,7 @@ class NeedleSample:
         return NEEDLE_TEMPLATE.format(city=self.cities[i], number=self.numbers[i])
 
     def question(self) -> str:
-        asked = self.cities[: self.queries]
-        if len(asked) == 1:
-            return QUESTION_ONE.format(city=asked[0])
-        return QUESTION_MANY.format(cities=", ".join(asked[:-1]) + " and " + asked[-1])
+        return question(self.cities[: self.queries])
 
     @property
     def answers(self) -> list[str]:
@@ -212,11 +175,7 @@ def make_samples(
             cell = []
             for _ in range(samples):
                 cities = rng.sample(CITIES, needles)
-                numbers: list[str] = []
-                while len(numbers) < needles:
-                    number = str(rng.randrange(10 ** (DIGITS - 1), 10**DIGITS))
-                    if number not in numbers:
-                        numbers.append(number)
+                numbers = random_numbers(rng, needles)
                 places = [rng.random() for _ in range(needles - queries)]
                 cell.append(NeedleSample(depth, length, cities, numbers, queries, places))
             cells[(depth, length)] = cell

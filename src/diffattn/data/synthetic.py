@@ -1,0 +1,228 @@
+"""Synthetic retrieval documents: multi-key associative recall and needles among distractors.
+
+Two tasks make the papers' retrieval claims measurable on small models, as a data source
+(``"synthetic:TASK?key=value&..."``) that mixes with any other:
+
+* ``synthetic:recall`` — multi-query associative recall (MQAR, Arora et al. 2023 "Zoology",
+  the origin of DIFF V1 Table 6's AR-Hit slice). A document lists ``pairs`` key–value pairs,
+  then asks for ``queries`` of them in a random order::
+
+      Pairs: river 41, stone 07, apple 93. Recall: apple 93, river 41.
+
+  Keys are words from :data:`RECALL_KEYS`, values two-digit numbers, both drawn anew for every
+  document, so a value after its key in the recall part can only come from the context.
+* ``synthetic:needle`` — the needle task of DIFF V1 §3.4 (Table 2) with distractors: a haystack
+  of plain sentences (:data:`HAYSTACK_SENTENCES`) holding ``1..needles`` needles
+  ``" The magic number of CITY is NUMBER."`` (distinct cities and 7-digit numbers), then the
+  question about the first ``R`` of them (``R ≤ queries``) and its answer, in exactly the
+  format ``diffattn eval needle`` asks it (:data:`QUESTION_ONE`, :data:`QUESTION_MANY`).
+
+Parameters (all optional): ``docs`` (number of documents), ``seed``, and per task ``pairs``,
+``queries`` (recall) or ``needles``, ``queries``, ``words`` (needle: haystack length in words,
+drawn uniformly from ``[words/2, words]``). Documents depend only on the spec, so a spec
+names one corpus, which is what the data cache's fingerprint relies on.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from urllib.parse import parse_qsl
+
+SYNTHETIC_PREFIX = "synthetic:"
+GENERATOR_VERSION = 1
+"""Part of a synthetic source's fingerprint: raise it whenever the documents a spec names change."""
+
+NEEDLE_TEMPLATE = " The magic number of {city} is {number}."
+QUESTION_ONE = (
+    "\n\nQuestion: What is the magic number of {city}? Answer: The magic number of {city} is"
+)
+QUESTION_MANY = (
+    "\n\nQuestion: What are the magic numbers of {cities}? Answer: The magic numbers are"
+)
+DIGITS = 7
+"""Digits of a needle's number."""
+
+CITIES = (
+    "Amsterdam", "Athens", "Auckland", "Bangkok", "Barcelona", "Beijing", "Berlin", "Bogota",
+    "Boston", "Brussels", "Budapest", "Buenos Aires", "Cairo", "Cape Town", "Chicago",
+    "Copenhagen", "Dakar", "Delhi", "Dubai", "Dublin", "Edinburgh", "Florence", "Geneva",
+    "Hanoi", "Havana", "Helsinki", "Hong Kong", "Istanbul", "Jakarta", "Johannesburg", "Kyiv",
+    "Lagos", "Lima", "Lisbon", "London", "Los Angeles", "Madrid", "Manila", "Marrakesh",
+    "Melbourne", "Mexico City", "Montreal", "Moscow", "Mumbai", "Munich", "Nairobi", "Oslo",
+    "Paris", "Prague", "Quito", "Reykjavik", "Rome", "Santiago", "Seoul", "Shanghai",
+    "Singapore", "Stockholm", "Sydney", "Taipei", "Tokyo", "Toronto", "Vancouver", "Vienna",
+    "Warsaw", "Zurich",
+)  # fmt: skip
+"""The needle cities (65, all distinct)."""
+
+HAYSTACK_SENTENCES = (
+    "The morning train left the station a few minutes after the bell rang.",
+    "A small boat drifted along the river while the sun rose over the hills.",
+    "She opened the window and listened to the rain falling on the garden.",
+    "The baker set out fresh bread on the counter before the shop opened.",
+    "Children walked to school past the old library on the corner.",
+    "The farmer checked the fences and counted the sheep in the field.",
+    "A quiet wind moved through the tall grass near the edge of the lake.",
+    "The teacher wrote a short list of words on the board for the class.",
+    "Two friends shared a pot of tea and talked about their plans for the summer.",
+    "The museum closed early because the workers were painting the main hall.",
+    "He repaired the bicycle chain and rode slowly down the empty street.",
+    "Clouds gathered in the evening and the lights came on along the harbour.",
+    "The cat slept on a warm blanket beside the kitchen stove.",
+    "A letter arrived with a stamp showing a mountain covered in snow.",
+    "The gardener planted rows of beans and watered them before noon.",
+    "Travellers waited at the bus stop, reading newspapers and checking the time.",
+    "The old clock in the tower struck twelve as the market filled with people.",
+    "Birds gathered on the roof of the barn after the storm had passed.",
+    "The cook stirred the soup and added a pinch of salt and pepper.",
+    "A long road wound between the fields toward the village in the valley.",
+)
+"""The synthetic haystack: plain sentences written for this library."""
+
+RECALL_KEYS = (
+    "apple", "bridge", "candle", "desert", "engine", "forest", "garden", "harbor", "island",
+    "jacket", "kettle", "ladder", "marble", "needle", "orange", "pencil", "quarry", "river",
+    "saddle", "tunnel", "valley", "window", "yellow", "anchor", "basket", "castle", "dragon",
+    "feather", "glacier", "hammer", "lantern", "meadow", "mirror", "pepper", "rocket", "silver",
+    "stone", "thunder", "violin", "wagon", "cotton", "copper", "falcon", "ginger", "helmet",
+    "jungle", "lemon", "magnet", "napkin", "oyster", "planet", "rabbit", "shadow", "tiger",
+    "velvet", "walnut", "zebra", "barrel", "cactus", "dolphin", "garlic", "insect", "parrot",
+    "spider",
+)  # fmt: skip
+"""Keys of the recall task (64 distinct words)."""
+
+DEFAULTS = {
+    "recall": {"docs": 2000, "seed": 0, "pairs": 8, "queries": 8},
+    "needle": {"docs": 2000, "seed": 0, "needles": 6, "queries": 2, "words": 120},
+}
+"""Parameters of each task and their defaults."""
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """A parsed ``synthetic:TASK?key=value&...`` source spec."""
+
+    task: str
+    params: dict[str, int]
+
+
+def is_synthetic_spec(spec: str) -> bool:
+    return spec.startswith(SYNTHETIC_PREFIX)
+
+
+def parse_synthetic_spec(spec: str) -> SyntheticSpec:
+    """Parse and check a synthetic source spec; ``ValueError`` names what is wrong."""
+    body = spec[len(SYNTHETIC_PREFIX) :]
+    task, _, query = body.partition("?")
+    if task not in DEFAULTS:
+        raise ValueError(
+            f"bad synthetic source {spec!r}: task must be one of {', '.join(DEFAULTS)}"
+        )
+    params = dict(DEFAULTS[task])
+    for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if key not in params:
+            raise ValueError(
+                f"bad synthetic source {spec!r}: unknown parameter {key!r} "
+                f"(accepted: {', '.join(params)})"
+            )
+        if not value.isdigit():
+            raise ValueError(f"bad synthetic source {spec!r}: {key} must be an integer >= 0")
+        params[key] = int(value)
+    _check(spec, task, params)
+    return SyntheticSpec(task, params)
+
+
+def _check(spec: str, task: str, p: dict[str, int]) -> None:
+    def fail(message: str) -> None:
+        raise ValueError(f"bad synthetic source {spec!r}: {message}")
+
+    if p["docs"] < 1:
+        fail("docs must be >= 1")
+    if task == "recall":
+        if not 1 <= p["pairs"] <= len(RECALL_KEYS):
+            fail(f"pairs must be in 1..{len(RECALL_KEYS)}")
+        if not 1 <= p["queries"] <= p["pairs"]:
+            fail("queries must be in 1..pairs")
+    else:
+        if not 1 <= p["needles"] <= len(CITIES):
+            fail(f"needles must be in 1..{len(CITIES)}")
+        if not 1 <= p["queries"] <= p["needles"]:
+            fail("queries must be in 1..needles")
+        if p["words"] < 2:
+            fail("words must be >= 2")
+
+
+def needle_sentence(city: str, number: str) -> str:
+    return NEEDLE_TEMPLATE.format(city=city, number=number)
+
+
+def question(cities: list[str]) -> str:
+    """The question about ``cities`` (the format ``diffattn eval needle`` uses)."""
+    if len(cities) == 1:
+        return QUESTION_ONE.format(city=cities[0])
+    return QUESTION_MANY.format(cities=", ".join(cities[:-1]) + " and " + cities[-1])
+
+
+def answer(numbers: list[str]) -> str:
+    """The answer that follows :func:`question`."""
+    if len(numbers) == 1:
+        return f" {numbers[0]}."
+    return " " + ", ".join(numbers[:-1]) + " and " + numbers[-1] + "."
+
+
+def random_numbers(rng: random.Random, count: int) -> list[str]:
+    """``count`` distinct ``DIGITS``-digit numbers."""
+    numbers: list[str] = []
+    while len(numbers) < count:
+        number = str(rng.randrange(10 ** (DIGITS - 1), 10**DIGITS))
+        if number not in numbers:
+            numbers.append(number)
+    return numbers
+
+
+def haystack_words(rng: random.Random, words: int) -> list[str]:
+    """Haystack sentences (shuffled, repeated as needed) holding about ``words`` words."""
+    sentences: list[str] = []
+    count = 0
+    while count < words:
+        order = list(HAYSTACK_SENTENCES)
+        rng.shuffle(order)
+        for sentence in order:
+            sentences.append(sentence)
+            count += len(sentence.split())
+            if count >= words:
+                break
+    return sentences
+
+
+def _recall_document(rng: random.Random, p: dict[str, int]) -> str:
+    keys = rng.sample(RECALL_KEYS, p["pairs"])
+    values = [f"{rng.randrange(100):02d}" for _ in keys]
+    pairs = list(zip(keys, values, strict=True))
+    asked = rng.sample(pairs, p["queries"])
+    listed = ", ".join(f"{k} {v}" for k, v in pairs)
+    recalled = ", ".join(f"{k} {v}" for k, v in asked)
+    return f"Pairs: {listed}. Recall: {recalled}."
+
+
+def _needle_document(rng: random.Random, p: dict[str, int]) -> str:
+    n = rng.randint(1, p["needles"])
+    r = rng.randint(1, min(p["queries"], n))
+    cities = rng.sample(CITIES, n)
+    numbers = random_numbers(rng, n)
+    sentences = haystack_words(rng, rng.randint(max(1, p["words"] // 2), p["words"]))
+    pieces = [" " + s for s in sentences]
+    for city, number in zip(cities, numbers, strict=True):
+        pieces.insert(rng.randint(0, len(pieces)), needle_sentence(city, number))
+    return "".join(pieces).lstrip() + question(cities[:r]) + answer(numbers[:r])
+
+
+def synthetic_documents(spec: str) -> Iterator[str]:
+    """The documents of a ``synthetic:`` spec, deterministic in the spec."""
+    parsed = parse_synthetic_spec(spec)
+    rng = random.Random(f"{parsed.task}:{parsed.params['seed']}")
+    make = _recall_document if parsed.task == "recall" else _needle_document
+    for _ in range(parsed.params["docs"]):
+        yield make(rng, parsed.params)
