@@ -6,5 +6,15 @@ shared conventions (models, ``--compare``, ``--dex``, outputs, seeds) are in
 :mod:`diffattn.eval.common`. See ``docs/eval.md``.
 """
 
-EXPERIMENTS = ("loss", "needle", "outliers", "heads", "effective", "hessian")
+EXPERIMENTS = (
+    "loss",
+    "needle",
+    "outliers",
+    "heads",
+    "effective",
+    "hessian",
+    "mc",
+    "icl",
+    "hallucination",
+)
 """Experiment modules, in the order the command line lists them (present ones only)."""
