@@ -48,6 +48,7 @@ LAYERS: dict[str, int] = {
     "diffattn.compare": 2,
     "diffattn.bench": 2,
     "diffattn.eval": 2,
+    "diffattn.scaling": 2,
     "diffattn.dex.train": 2,
     "diffattn.dex.compare": 2,
     # commands

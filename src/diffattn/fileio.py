@@ -181,6 +181,33 @@ def clear_output_directory(out: str | os.PathLike) -> Path:
     return out
 
 
+def use_plan_directory(
+    out: str | os.PathLike, plan_name: str, plan: str, overwrite: bool, what: str
+) -> Path:
+    """Apply :func:`check_output_directory` to a directory that a sweep of runs owns through
+    its resolved plan ``out/plan_name`` (text): ``out`` is used when absent, empty or holding
+    this same plan, else refused unless ``overwrite`` (then replaced whole). The plan is
+    written (atomically) and ``out`` returned. ``what`` names the sweep in the refusal."""
+    out = Path(out)
+    plan_file = out / plan_name
+    same = plan_file.is_file() and plan_file.read_text(encoding="utf-8") == plan
+    replace = check_output_directory(
+        out,
+        overwrite,
+        own=same and not overwrite,
+        option="--out",
+        hint=f"it holds other files or {what} with different settings; choose another --out "
+        "or pass --overwrite to replace it",
+    )
+    if replace:
+        clear_output_directory(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = plan_file.with_suffix(".tmp")
+    tmp.write_text(plan, encoding="utf-8")
+    tmp.replace(plan_file)
+    return out
+
+
 @contextlib.contextmanager
 def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield an empty temporary directory that becomes ``out_dir`` only if the block succeeds.
