@@ -15,7 +15,9 @@ VERBS: tuple[tuple[str, str], ...] = (
     ("convert", "convert weights between HF Llama / DiffLlama / GGUF and diffattn"),
     ("dex", "Dex on a pretrained decoder: select heads, train, merge, compare"),
     ("eval", "measure the papers' claims: loss slices, needles, outliers, heads, Hessian"),
+    ("lm-eval", "run lm-evaluation-harness with diffattn's models registered (--model diffattn)"),
     ("scaling", "fit loss against model size or tokens, DIFF's share to match (Fig 3)"),
+    ("long-context", "length-upsample a corpus, widen a model: context extension (§3.3)"),
 )
 
 
@@ -61,9 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     sizes.set_defaults(handler=_presets_command)
 
     for verb, help_text in VERBS:
-        module = importlib.import_module(f"diffattn.commands.{verb}")
+        module = importlib.import_module(f"diffattn.commands.{verb.replace('-', '_')}")
         sub = verbs.add_parser(
-            verb, help=help_text, description=getattr(module, "DESCRIPTION", None)
+            verb,
+            help=help_text,
+            description=getattr(module, "DESCRIPTION", None),
+            **getattr(module, "PARSER_OPTIONS", {}),
         )
         module.add_arguments(sub)
         sub.set_defaults(handler=module.run)

@@ -1,0 +1,89 @@
+"""Every model diffattn loads, as an lm-evaluation-harness model named ``diffattn``.
+
+Importing this module registers :class:`DiffattnLM` in the harness's model registry (the
+harness's own command line cannot find model classes outside its package; ``diffattn
+lm-eval`` imports this module, then runs that command line). It is the harness's
+Hugging Face model class (``HFLM``: its batching, tokenization and scoring) over a model
+loaded by :func:`diffattn.eval.common.load_models`, so ``--model_args`` take what
+``diffattn eval`` takes:
+
+* ``pretrained=MODEL``: a diffattn directory, a Hugging Face Llama/Qwen2/Mistral/DiffLlama
+  directory, a ``.gguf`` file or ``smollm2``, a Dex adapter or run directory, a hub id;
+* ``dex=ADAPTER``: a Dex adapter applied to ``MODEL`` first;
+* ``dtype=fp32|bf16|fp16`` (default fp32), ``device=cpu|cuda|auto``, ``max_length=N``
+  (default: the model's context length), and the harness's other ``HFLM`` arguments
+  (``batch_size``, ``add_bos_token``, ...).
+
+Needs ``pip install 'diffattn[lm-eval]'``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from torch import nn
+
+from diffattn.eval.common import load_models
+from diffattn.eval.text import context_limit
+
+MODEL_NAME = "diffattn"
+HARNESS_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "fp32"}
+
+
+class CausalLMView(nn.Module):
+    """A diffattn model with the few attributes the harness reads from a Hugging Face one
+    (``config.model_type``, ``device``, ``tie_weights``); calls go to the model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.inner = model
+        self.config = model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.inner.parameters()).device
+
+    def tie_weights(self) -> None:
+        """Nothing to do: diffattn models tie (or not) at construction."""
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        return self.inner(input_ids=input_ids, **kwargs)
+
+
+@register_model(MODEL_NAME)
+class DiffattnLM(HFLM):
+    """``lm_eval --model diffattn --model_args pretrained=MODEL[,dex=ADAPTER,...]``."""
+
+    def __init__(
+        self,
+        pretrained: str,
+        dex: str | None = None,
+        dtype: str = "fp32",
+        device: str | None = "cpu",
+        max_length: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(pretrained, str):
+            raise ValueError("pretrained= must name a model (a path, smollm2 or a hub id)")
+        kwargs.pop("backend", None)
+        dtype = HARNESS_DTYPES.get(str(dtype), str(dtype))
+        loaded = load_models([pretrained], dex=dex, device=device or "cpu", dtype=dtype)[0]
+        if loaded.tokenizer is None or not hasattr(
+            loaded.tokenizer.backend, "convert_ids_to_tokens"
+        ):
+            raise ValueError(
+                f"{pretrained}: the harness needs a Hugging Face tokenizer stored with the "
+                "model (tokenizer.json or tokenizer_config.json) and transformers installed"
+            )
+        model = loaded.model if loaded.kind != "diffattn" else CausalLMView(loaded.model)
+        self.diffattn_model = loaded
+        super().__init__(
+            pretrained=model,
+            tokenizer=loaded.tokenizer.backend,
+            backend="causal",
+            max_length=max_length or context_limit(loaded),
+            **kwargs,
+        )
