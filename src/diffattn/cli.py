@@ -17,6 +17,7 @@ VERBS: tuple[tuple[str, str], ...] = (
     ("eval", "measure the papers' claims: loss slices, needles, outliers, heads, Hessian"),
     ("lm-eval", "run lm-evaluation-harness with diffattn's models registered (--model diffattn)"),
     ("scaling", "fit loss against model size or tokens, DIFF's share to match (Fig 3)"),
+    ("long-context", "length-upsample a corpus, widen a model: context extension (§3.3)"),
 )
 
 

@@ -204,6 +204,11 @@ class TrainConfig:
     spike_factor: float = 2.0
     """A step's loss above ``spike_factor`` × the running median counts as a loss spike."""
     spike_window: int = 50
+    init_from: str | None = None
+    """A diffattn model directory (a checkpoint of another run, or a saved model) whose
+    weights this run starts from, at step 0 with a fresh optimizer and schedule. The recipe's
+    model must have the same architecture; only ``rope_theta`` and ``max_seq_len`` may differ
+    (context extension, DIFF V1 §3.3). Ignored when resuming this run's own checkpoint."""
 
     # ------------------------------------------------------------------------------------
     @classmethod
@@ -311,6 +316,8 @@ class TrainConfig:
             raise ConfigError("dtype", "bf16 autocast runs on CUDA only; use fp32 (or auto) on CPU")
         if self.parallel != "fsdp" and self.fsdp_init != "rank0":
             raise ConfigError("fsdp_init", "only applies to parallel: fsdp")
+        if self.init_from is not None and not self.init_from.strip():
+            raise ConfigError("init_from", "must be a model directory or null, got ''")
         model = self.model_config()
         if self.seq_len > model.max_seq_len:
             raise ConfigError(

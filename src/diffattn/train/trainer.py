@@ -85,6 +85,9 @@ CONFIG_COPY_NAME = "config.yaml"
 FACTORY_STATE_NAME = "model_state.safetensors"
 FACTORY_MARKER_NAME = "factory.json"
 TOKENIZER_DIRNAME = "tokenizer"
+# ModelConfig fields in which an ``init_from`` model may differ from the run's model: they change
+# no weight (RoPE's inverse frequencies are a buffer rebuilt from rope_theta, not saved).
+INIT_FREE_FIELDS = ("rope_theta", "max_seq_len")
 # Entries that must match the checkpoint for the data order to continue exactly.
 RESUME_FIXED_KEYS = ("data", "seq_len", "global_batch_size", "seed")
 # Entries that may change on resume without any effect on the numbers.
@@ -536,6 +539,10 @@ class Trainer:
         self.checkpoint_found = found
         self.clear_output = clear
         self.notes: list[str] = list(notes)
+        self.init_source = None
+        if found is None and config.init_from is not None:
+            self.init_source, change = _check_init_from(Path(config.init_from), self.model_config)
+            self.notes.append(f"starting from the weights of {self.init_source}{change}")
         if self.main:
             for message in fallback:  # shown even with --quiet: the run differs from asked
                 print(f"diffattn train: {message}", file=sys.stderr, flush=True)
@@ -578,7 +585,8 @@ class Trainer:
         self.num_trainable = sum(p.numel() for p in self.trainable)
 
     def _build_preset_model(self) -> nn.Module:
-        config, found = self.config, self.checkpoint_found
+        config = self.config
+        found = self.checkpoint_found or self.init_source
         initial_state = ckpt.load_model_state(found) if (found and self.main) else None
         return build_model(
             self.model_config,
@@ -1077,6 +1085,30 @@ def evaluate(
 
 # ----------------------------------------------------------------------------------------
 # helpers
+def _check_init_from(path: Path, model_config: ModelConfig | None) -> tuple[Path, str]:
+    """``(path, description of the changed fields)`` when ``init_from`` can seed the run's
+    model: a diffattn model directory whose model differs at most in
+    :data:`INIT_FREE_FIELDS`; else :class:`ConfigError`."""
+    if model_config is None:
+        raise ConfigError("init_from", "applies to preset models; a model_factory builds its own")
+    if not (path / "config.json").is_file():
+        raise ConfigError("init_from", f"{path}: not a diffattn model directory (no config.json)")
+    try:
+        saved = ckpt.read_checkpoint_model_config(path)
+    except ValueError as error:
+        raise ConfigError("init_from", str(error)) from None
+    diffs = ckpt.model_config_differences(saved, model_config)
+    fixed = [d for d in diffs if d.split(":", 1)[0] not in INIT_FREE_FIELDS]
+    if fixed:
+        raise ConfigError(
+            "init_from",
+            f"{path} has a different model: {'; '.join(fixed)}; only "
+            f"{' and '.join(INIT_FREE_FIELDS)} may change",
+        )
+    changed = [d.replace(" (checkpoint) vs ", " -> ").replace(" (config)", "") for d in diffs]
+    return path, (f" ({', '.join(changed)})" if changed else "")
+
+
 def _factory_model(factory: Callable[[], nn.Module], vocab: int) -> nn.Module:
     """Build a ``model_factory`` model and check that it embeds every token."""
     model = factory()
