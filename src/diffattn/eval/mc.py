@@ -143,6 +143,28 @@ def evaluate_task(
     return out
 
 
+def check_settings(
+    tasks: Sequence[str] | None,
+    data: Sequence[str],
+    shots: int,
+    limit: int | None,
+    batch_size: int,
+) -> tuple[list[str], dict[str, str]]:
+    """The task names and ``--data`` paths, or a ``ValueError`` naming a bad setting."""
+    if shots < 0:
+        raise ValueError(f"--shots must be at least 0, got {shots}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {limit}")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
+    paths = parse_data_specs(data)
+    names = list(tasks) if tasks else (list(paths) if paths else list(TASKS))
+    for name in names:
+        if name not in TASKS and name not in paths:
+            raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)} (or pass --data)")
+    return names, paths
+
+
 def run(
     models: Sequence[EvalModel],
     tasks: Sequence[str] | None = None,
@@ -156,18 +178,8 @@ def run(
     quiet: bool = True,
 ) -> dict[str, Any]:
     """Every model on every task's items (see the module docstring)."""
-    if shots < 0:
-        raise ValueError(f"--shots must be at least 0, got {shots}")
-    if limit is not None and limit < 1:
-        raise ValueError(f"--limit must be at least 1, got {limit}")
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
+    names, paths = check_settings(tasks, data, shots, limit, batch_size)
     seed_everything(seed)
-    paths = parse_data_specs(data)
-    names = list(tasks) if tasks else (list(paths) if paths else list(TASKS))
-    for name in names:
-        if name not in TASKS and name not in paths:
-            raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)} (or pass --data)")
     results: dict[str, Any] = {"tasks": {}, "models": {m.name: {} for m in models}}
     for name in names:
         items = load_task(name, split, source, paths.get(name))
@@ -257,9 +269,10 @@ def plot(results: dict[str, Any], path: Path) -> Path:
 
 
 def main(args: Any) -> int:
-    models = models_from_args(args)
     keys = ("tasks", "data", "split", "source", "shots", "limit", "batch_size", "seed")
     settings = settings_of(args, keys)
+    check_settings(args.tasks, args.data, args.shots, args.limit, args.batch_size)
+    models = models_from_args(args)
     results = run(models, quiet=args.quiet, **settings)
     figure = plot(results, Path(args.out) / "mc.png")
     return finish(args, NAME, results, models, report(results, args.shots), settings, [figure])

@@ -99,8 +99,9 @@ def requests_to_rows(rows: Sequence[dict[str, Any]], task: str) -> list[dict[str
     harness's prompt of ``task`` (ARC keeps ``Question: …\\nAnswer:``; OpenBookQA the bare
     question), its choices and answer."""
     docs: dict[Any, dict[str, Any]] = {}
-    for row in rows:
-        docs.setdefault(row.get("doc_id", row.get("native_id")), row["doc"])
+    for row in rows:  # several requests per document (one per choice, unconditional ones)
+        doc = row["doc"]
+        docs.setdefault(doc.get("id", row.get("native_id", row.get("doc_id"))), doc)
     out = []
     for doc in docs.values():
         query = doc["query"]
