@@ -27,6 +27,38 @@ def reference_attention(
     return out, probs
 
 
+def differential_rows(
+    q1: torch.Tensor,
+    q2: torch.Tensor,
+    k1: torch.Tensor,
+    k2: torch.Tensor,
+    v: torch.Tensor,
+    lam: torch.Tensor,
+    mask: AttentionMask,
+    scale: float,
+) -> torch.Tensor:
+    """DIFF V1 Eq.1 as ``(P1 − λ·P2) V`` with explicit fp32 maps ``(B, H, N, S)``: each map's
+    QKᵀ at width d and one product with V for both maps (V read once).
+
+    Shapes as :func:`diffattn.attention.kernels.differential_attention`; GQA by grouping the
+    query heads of a KV group, so K and V are never repeated. Plain autograd ops, traceable
+    with a tensor ``query_offset``; the kernel of one-token decode steps, where the maps are
+    ``(B, H, 1, S)``.
+    """
+    bsz, h, n, d = q1.shape
+    n_kv, s = k1.shape[1], k1.shape[2]
+    allowed = mask.dense(n, s, q1.device)[:, :, None]  # (B|1, 1, 1, N, S)
+
+    def probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        grouped = q.float().reshape(bsz, n_kv, h // n_kv, n, d) * scale
+        scores = torch.matmul(grouped, k.float()[:, :, None].transpose(-1, -2))
+        return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+
+    p = probs(q1, k1) - lam.float() * probs(q2, k2)
+    out = torch.matmul(p, v.float()[:, :, None])
+    return out.reshape(bsz, h, n, v.shape[-1]).to(q1.dtype)
+
+
 def _softmax(q, k, v, mask, scale):
     return reference_attention(q, k, v, mask, scale)[0]
 

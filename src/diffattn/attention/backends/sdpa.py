@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from diffattn.attention.backends.reference import differential_rows
 from diffattn.attention.mask import AttentionMask, read_self_on_padding
-from diffattn.attention.registry import Backend, register_backend
+from diffattn.attention.registry import Backend, compose_v1, compose_v2, register_backend
 
 
 def padding_kind(key_padding: torch.Tensor) -> str:
@@ -96,10 +97,23 @@ def sdpa_attention(
     return _sdpa(q, k, v, scale, attn_mask=mask.dense(n, s, q.device))
 
 
+_two_sdpa_calls = compose_v1(sdpa_attention)
+
+
+def sdpa_diff_v1(q1, q2, k1, k2, v, lam, mask: AttentionMask, scale: float) -> torch.Tensor:
+    """DIFF V1 Eq.1: two SDPA calls (Q and K zero-padded to V's 2d width), except for one-query
+    calls (decode steps), which read V once: :func:`differential_rows`."""
+    if q1.shape[2] == 1:
+        return differential_rows(q1, q2, k1, k2, v, lam, mask, scale)
+    return _two_sdpa_calls(q1, q2, k1, k2, v, lam, mask, scale)
+
+
 register_backend(
-    Backend.from_softmax(
+    Backend(
         "sdpa",
         sdpa_attention,
+        diff_v1=sdpa_diff_v1,
+        diff_v2=compose_v2(sdpa_attention),
         hf_name="sdpa",
         description="PyTorch scaled_dot_product_attention (fused CPU/CUDA kernels, GQA)",
     )

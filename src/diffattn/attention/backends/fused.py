@@ -1,0 +1,234 @@
+"""``fused``: DIFF V1 (Eq.1) with each map's QKᵀ at width d and V read once, blocked over query
+rows, with a hand-written backward; baseline and DIFF V2 calls run on ``sdpa``.
+
+**Algorithm.** Query rows are taken in blocks of ``R`` rows (all heads and batch rows at once).
+A block whose last query may read keys ``[0, e)`` (causal masking: ``e = row_end + offset``)
+computes, per differential head with Q1, Q2, K1, K2 of width d and V of width 2d::
+
+    P1 = softmax(Q1 K1[:e]ᵀ/√d + mask),  P2 = softmax(Q2 K2[:e]ᵀ/√d + mask)
+    P  = P1 − λ·P2                     (one R×e map)
+    O  = P · V[:e]                     (one matmul: V read once for both maps)
+
+so no tensor is larger than ``R × e`` per head, never N×N. GQA: the ``H / H_kv`` query heads
+of a KV group are stacked along the rows of one matmul, so K and V are never repeated.
+
+The backward recomputes ``P1`` and ``P2`` per block (nothing of size N×S is saved) and, with
+``G = dO`` of the block, ``dP = G Vᵀ`` (shared by both maps, since ``∂O/∂P2 = −λ ∂O/∂P1``)::
+
+    dV[:e] += Pᵀ G
+    r_a    = rowsum(dP ∘ P_a)                        (a = 1, 2)
+    dS1    = P1 ∘ (dP − r1),   dS2 = −λ·P2 ∘ (dP − r2)
+    dQ_a   = dS_a K_a/√d,      dK_a[:e] += dS_aᵀ Q_a/√d
+    dλ     = −Σ_rows r2                              (= −Σ dO·P2V)
+
+**Cost** per differential head, with ``M = Σ_blocks R·e ≈ N²/2`` (causal; ``N·S`` with a
+cache), counting a multiply-add as 2 FLOPs:
+
+* forward: ``2·2·M·d`` (two QKᵀ at width d) + ``2·M·2d`` (one PV at width 2d) = ``8·M·d``;
+  the two per-map PVs of the two-call form (App. A) would add another ``4·M·d``, and the
+  zero-padded sdpa/flash form costs ``16·M·d``. A baseline head pair (two heads of width d)
+  costs ``8·M·d`` too: DIFF V1 with this kernel does the baseline's attention FLOPs.
+* backward: recomputed QKᵀ ``4·M·d``, ``dP`` ``4·M·d``, ``dV`` ``4·M·d``, dQ1, dQ2, dK1, dK2
+  ``8·M·d``: ``20·M·d`` (baseline head pair with flash-style recompute: ``20·M·d``).
+* exponentials: ``2·M`` forward and ``2·M`` backward, as for a baseline head pair.
+* memory traffic: Q1, Q2, K1, K2, V, O read or written once per block row of the output
+  (K and V are re-read by every block: ``(N/R)·S·4d`` elements, the blocking's price), plus
+  the block maps, which live in cache-sized pieces: ``~6`` passes over ``R×e`` fp32 values
+  forward, ``~12`` backward. Saved for backward: the inputs only (no logsumexp, no O).
+
+Compute is fp32 whatever the input dtype (bf16 inputs are upcast per call, outputs cast
+back), matching ``reference``. Masking follows :mod:`diffattn.attention.mask` exactly
+(causal, key padding / var-len, query offset for a KV cache, full custom masks).
+
+Calls that must stay traceable (``torch.compile``, a tensor ``query_offset`` of fixed-shape
+decoding) take :func:`~diffattn.attention.backends.reference.differential_rows`, the same formula as
+one block through autograd; a one-token decode step is that formula with ``R = 1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffattn.attention.backends.reference import differential_rows
+from diffattn.attention.backends.sdpa import sdpa_attention
+from diffattn.attention.mask import AttentionMask
+from diffattn.attention.registry import Backend, compose_v2, register_backend
+
+BLOCK_ELEMENTS = 1 << 20
+"""Target size of one block map (rows × keys × heads × batch) in elements: 4 MiB in fp32,
+small enough to stay in the last-level cache while elementwise passes run over it."""
+MIN_BLOCK_ROWS = 16
+
+
+def _group(q: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """``(B, H, N, w)`` → ``(B, H_kv, N, rep, w)`` contiguous: block rows of the query heads
+    of one KV group are adjacent, so a block is a plain view ``(B, H_kv, R·rep, w)``."""
+    bsz, h, n, w = q.shape
+    return q.view(bsz, n_kv, h // n_kv, n, w).transpose(2, 3).contiguous()
+
+
+def _ungroup(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_group`: ``(B, H_kv, N, rep, w)`` → ``(B, H, N, w)``."""
+    bsz, n_kv, n, rep, w = x.shape
+    return x.transpose(2, 3).reshape(bsz, n_kv * rep, n, w)
+
+
+class _Blocks:
+    """The query blocks of one call and the mask of each, as ``(rows, key_end, masked)``."""
+
+    def __init__(self, mask: AttentionMask, bsz: int, h: int, n: int, s: int) -> None:
+        self.mask, self.n, self.s = mask, n, s
+        self.offset = int(mask.query_offset)
+        self.plain_causal = mask.key_padding is None and mask.allowed is None
+        rows = BLOCK_ELEMENTS // max(1, bsz * h * s)
+        self.rows = max(MIN_BLOCK_ROWS, min(n, rows))
+        self._band: torch.Tensor | None = None
+
+    def __iter__(self):
+        for start in range(0, self.n, self.rows):
+            stop = min(start + self.rows, self.n)
+            key_end = self.s if self.mask.allowed is not None else min(self.s, stop + self.offset)
+            yield start, stop, key_end
+
+    def apply(self, scores: torch.Tensor, start: int, stop: int, key_end: int) -> None:
+        """Fill disallowed (query, key) pairs of a block's scores ``(B, H_kv, R, rep, e)``
+        with −inf, in place; without padding only the diagonal band needs it."""
+        rows = stop - start
+        if not self.plain_causal:
+            allowed = self.mask.dense(rows, self.s, scores.device, row_start=start)
+            scores.masked_fill_(~allowed[..., :key_end].unsqueeze(3), float("-inf"))
+            return
+        first = start + self.offset  # every row of the block reads keys [0, first]
+        if key_end - first <= 1:
+            return
+        if self._band is None or self._band.shape[0] < rows:
+            self._band = torch.ones(rows, rows, dtype=torch.bool, device=scores.device).triu(1)
+        band = self._band[:rows, None, : key_end - first]  # (R, 1, e - first)
+        scores[..., first:key_end].masked_fill_(band, float("-inf"))
+
+
+def _probs(q_block, k, blocks: _Blocks, start: int, stop: int, key_end: int) -> torch.Tensor:
+    """softmax of one block's scores; ``q_block`` ``(B, H_kv, R·rep, d)`` is pre-scaled."""
+    scores = torch.matmul(q_block, k[:, :, :key_end].transpose(-1, -2))
+    bsz, n_kv, rows_rep, _ = scores.shape
+    rows = stop - start
+    blocks.apply(scores.view(bsz, n_kv, rows, rows_rep // rows, key_end), start, stop, key_end)
+    return torch.softmax(scores, dim=-1)
+
+
+def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of a grouped tensor ``(B, H_kv, N, rep, w)`` as
+    ``(B, H_kv, R·rep, w)``."""
+    part = x[:, :, start:stop]
+    return part.reshape(part.shape[0], part.shape[1], -1, part.shape[-1])
+
+
+def _forward(q1s, q2s, k1, k2, v, lam: float, blocks: _Blocks) -> torch.Tensor:
+    bsz, n_kv, n, rep, _ = q1s.shape
+    out = v.new_empty(bsz, n_kv, n, rep, v.shape[-1])
+    for start, stop, key_end in blocks:
+        p = _probs(_rows(q1s, start, stop), k1, blocks, start, stop, key_end)
+        p2 = _probs(_rows(q2s, start, stop), k2, blocks, start, stop, key_end)
+        p.sub_(p2, alpha=lam)
+        del p2
+        block = torch.matmul(p, v[:, :, :key_end])
+        out[:, :, start:stop] = block.view(bsz, n_kv, stop - start, rep, -1)
+    return out
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``rowsum(a ∘ b)`` over the last dim, keeping it (einsum: no ``a ∘ b`` temporary)."""
+    return torch.einsum("...k,...k->...", a, b).unsqueeze(-1)
+
+
+def _backward(grad, q1s, q2s, k1, k2, v, lam: float, scale: float, blocks: _Blocks):
+    bsz, n_kv, _, rep, d = q1s.shape
+    dq1, dq2 = torch.empty_like(q1s), torch.empty_like(q2s)
+    dk1, dk2, dv = torch.zeros_like(k1), torch.zeros_like(k2), torch.zeros_like(v)
+    dlam = grad.new_zeros(())
+    for start, stop, key_end in blocks:
+        q1_block, q2_block = _rows(q1s, start, stop), _rows(q2s, start, stop)
+        g = _rows(grad, start, stop)
+        k1e, k2e, ve = k1[:, :, :key_end], k2[:, :, :key_end], v[:, :, :key_end]
+        p1 = _probs(q1_block, k1, blocks, start, stop, key_end)
+        p2 = _probs(q2_block, k2, blocks, start, stop, key_end)
+        dv[:, :, :key_end] += torch.sub(p1, p2, alpha=lam).transpose(-1, -2) @ g
+        dp = g @ ve.transpose(-1, -2)
+        r1, r2 = _row_dot(dp, p1), _row_dot(dp, p2)
+        dlam -= r2.sum()
+        ds1 = (dp - r1).mul_(p1)
+        del p1
+        ds2 = dp.sub_(r2).mul_(p2)  # dS2 / (−λ)
+        del p2
+        shape = (bsz, n_kv, stop - start, rep, d)
+        dq1[:, :, start:stop] = (ds1 @ k1e).mul_(scale).view(shape)
+        dq2[:, :, start:stop] = (ds2 @ k2e).mul_(-lam * scale).view(shape)
+        dk1[:, :, :key_end] += ds1.transpose(-1, -2) @ q1_block
+        dk2[:, :, :key_end].sub_(ds2.transpose(-1, -2) @ q2_block, alpha=lam)
+    return dq1, dq2, dk1, dk2, dv, dlam
+
+
+class _FusedDiffV1(torch.autograd.Function):
+    """Eq.1 forward and its hand-written backward (recomputed per block)."""
+
+    @staticmethod
+    def forward(ctx, q1, q2, k1, k2, v, lam, mask, scale):
+        n_kv = k1.shape[1]
+        bsz, h, n, _ = q1.shape
+        blocks = _Blocks(mask, bsz, h, n, k1.shape[2])
+        q1s, q2s = (_group(q.float() * scale, n_kv) for q in (q1, q2))
+        k1f, k2f, vf = k1.float(), k2.float(), v.float()
+        lam_value = float(lam)
+        out = _ungroup(_forward(q1s, q2s, k1f, k2f, vf, lam_value, blocks))
+        ctx.save_for_backward(q1, q2, k1, k2, v)
+        ctx.blocks, ctx.scale, ctx.lam_value, ctx.lam_dtype = blocks, scale, lam_value, lam.dtype
+        return out.to(q1.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q1, q2, k1, k2, v = ctx.saved_tensors
+        n_kv, scale = k1.shape[1], ctx.scale
+        q1s, q2s = (_group(q.float() * scale, n_kv) for q in (q1, q2))
+        grad = _group(grad_out.float(), n_kv)
+        dq1, dq2, dk1, dk2, dv, dlam = _backward(
+            grad, q1s, q2s, k1.float(), k2.float(), v.float(), ctx.lam_value, scale, ctx.blocks
+        )
+        return (
+            _ungroup(dq1).to(q1.dtype),
+            _ungroup(dq2).to(q2.dtype),
+            dk1.to(k1.dtype),
+            dk2.to(k2.dtype),
+            dv.to(v.dtype),
+            dlam.to(ctx.lam_dtype),
+            None,
+            None,
+        )
+
+
+def fused_diff_v1(
+    q1: torch.Tensor,
+    q2: torch.Tensor,
+    k1: torch.Tensor,
+    k2: torch.Tensor,
+    v: torch.Tensor,
+    lam: torch.Tensor,
+    mask: AttentionMask,
+    scale: float,
+) -> torch.Tensor:
+    """DIFF V1 Eq.1, ``(softmax(Q1K1ᵀ·scale) − λ softmax(Q2K2ᵀ·scale)) V``, on the blocked
+    kernel of this module. Shapes as :func:`diffattn.attention.kernels.differential_attention`."""
+    if isinstance(mask.query_offset, torch.Tensor) or torch.compiler.is_compiling():
+        return differential_rows(q1, q2, k1, k2, v, lam, mask, scale)
+    return _FusedDiffV1.apply(q1, q2, k1, k2, v, lam, mask, scale)
+
+
+register_backend(
+    Backend(
+        "fused",
+        sdpa_attention,
+        diff_v1=fused_diff_v1,
+        diff_v2=compose_v2(sdpa_attention),
+        description="DIFF V1 with QKᵀ at width d and V read once, blocked, no N×N tensor "
+        "(any device, fp32 compute); baseline and DIFF V2 on sdpa",
+    )
+)

@@ -1,0 +1,195 @@
+"""The ``fused`` DIFF V1 kernel against the reference backend: outputs and gradients of q1, q2,
+k1, k2, v and λ over odd lengths, padding, GQA, KV-cache offsets and custom masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from diffattn import DiffTransformerLM
+from diffattn.attention import kernels, registry
+from diffattn.attention.backends import fused
+from diffattn.attention.backends.reference import differential_rows
+from diffattn.attention.backends.sdpa import sdpa_diff_v1
+from diffattn.attention.mask import AttentionMask
+from helpers import TINY_VOCAB, tiny_diffattn
+
+D = 8
+
+
+def _padding(kind: str, bsz: int, n: int) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    mask = torch.ones(bsz, n, dtype=torch.bool)
+    if kind == "left":
+        mask[0, : min(3, n - 1)] = False
+    elif kind == "right":
+        mask[0, max(1, n - 3) :] = False
+    elif kind == "holes":
+        mask[0, 1::3] = False
+    return mask
+
+
+def _inputs(bsz, heads, kv_heads, n, s, dtype=torch.float32):
+    def leaf(*shape):
+        return torch.randn(*shape, dtype=dtype).requires_grad_()
+
+    q1, q2 = leaf(bsz, heads, n, D), leaf(bsz, heads, n, D)
+    k1, k2 = leaf(bsz, kv_heads, s, D), leaf(bsz, kv_heads, s, D)
+    v = leaf(bsz, kv_heads, s, 2 * D)
+    lam = torch.tensor(0.37, requires_grad=True)
+    return q1, q2, k1, k2, v, lam
+
+
+def _outputs_and_grads(backend: str, inputs, mask, weight):
+    out, _ = kernels.differential_attention(*inputs, mask, D**-0.5, backend)
+    grads = torch.autograd.grad((out.float() * weight).sum(), inputs)
+    return out, grads
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-12)
+
+
+def _assert_matches_reference(inputs, mask, tol=1e-5):
+    weight = torch.randn(*inputs[0].shape[:3], 2 * D)
+    ref, grads_ref = _outputs_and_grads("reference", inputs, mask, weight)
+    out, grads = _outputs_and_grads("fused", inputs, mask, weight)
+    assert out.dtype == inputs[0].dtype and out.shape == ref.shape
+    assert _rel(out, ref) <= tol
+    names = ("q1", "q2", "k1", "k2", "v", "lam")
+    for name, g, g_ref in zip(names, grads, grads_ref, strict=True):
+        assert g.dtype == g_ref.dtype and torch.isfinite(g).all(), name
+        assert _rel(g, g_ref) <= tol, name
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """Blocks of 16 query rows, so lengths 7 and 129 cover one and several blocks."""
+    monkeypatch.setattr(fused, "BLOCK_ELEMENTS", 1)
+
+
+SHAPES = [(1, "none")] + [(n, pad) for n in (7, 129) for pad in ("none", "left", "right", "holes")]
+
+
+@pytest.mark.parametrize(("n", "padding"), SHAPES)
+@pytest.mark.parametrize("gqa", [1, 2])
+def test_fused_matches_reference(n, padding, gqa):
+    inputs = _inputs(2, 2 * gqa, 2, n, n)
+    _assert_matches_reference(inputs, AttentionMask(key_padding=_padding(padding, 2, n)))
+
+
+@pytest.mark.parametrize("n_new", [1, 5, 20])
+@pytest.mark.parametrize("padded", [False, True])
+def test_fused_with_a_cache_offset_matches_reference(n_new, padded):
+    """Queries at the end of a longer key sequence (chunked prefill, one-token decode)."""
+    s = 37
+    mask = AttentionMask(key_padding=_padding("left", 2, s) if padded else None)
+    mask.query_offset = s - n_new
+    _assert_matches_reference(_inputs(2, 4, 2, n_new, s), mask)
+
+
+def test_fused_with_a_custom_mask_matches_reference():
+    n = 23
+    allowed = torch.rand(2, 1, n, n) < 0.6
+    allowed |= torch.eye(n, dtype=torch.bool)  # every row reads at least itself
+    _assert_matches_reference(_inputs(2, 2, 1, n, n), AttentionMask(allowed=allowed))
+
+
+def test_fused_bf16_forward_is_close():
+    inputs = _inputs(2, 4, 2, 129, 129, dtype=torch.bfloat16)
+    mask = AttentionMask(key_padding=_padding("left", 2, 129))
+    ref, _ = kernels.differential_attention(*inputs, mask, D**-0.5, "reference")
+    out, _ = kernels.differential_attention(*inputs, mask, D**-0.5, "fused")
+    assert out.dtype == torch.bfloat16
+    assert _rel(out, ref) <= 2e-2
+    grads = torch.autograd.grad(out.float().sum(), inputs)
+    assert all(
+        g.dtype == x.dtype and torch.isfinite(g).all() for g, x in zip(grads, inputs, strict=True)
+    )
+
+
+def test_tensor_offsets_take_the_traceable_rows_formula():
+    """Fixed-shape decoding passes a 0-d tensor offset; the result and grads are unchanged."""
+    inputs = _inputs(1, 4, 2, 1, 9)
+    weight = torch.randn(1, 4, 1, 2 * D)
+    out, grads = _outputs_and_grads("fused", inputs, AttentionMask(query_offset=8), weight)
+    mask = AttentionMask(query_offset=torch.tensor(8))
+    out_t, grads_t = _outputs_and_grads("fused", inputs, mask, weight)
+    assert _rel(out_t, out) <= 1e-6
+    for g, g_ref in zip(grads_t, grads, strict=True):
+        assert _rel(g, g_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_sdpa_decode_step_reads_v_once_and_matches_two_calls(padded):
+    """A one-query DIFF V1 call on sdpa takes the single-product formula; it equals the two
+    padded SDPA calls it replaces."""
+    s = 33
+    q1, q2, k1, k2, v, lam = (x.detach() for x in _inputs(2, 4, 2, 1, s))
+    mask = AttentionMask(key_padding=_padding("left", 2, s) if padded else None)
+    mask.query_offset = s - 1
+    two_calls = registry.compose_v1(kernels.sdpa_attention)(q1, q2, k1, k2, v, lam, mask, 0.3)
+    once = sdpa_diff_v1(q1, q2, k1, k2, v, lam, mask, 0.3)
+    assert _rel(once, two_calls) <= 1e-5
+    rows = differential_rows(q1, q2, k1, k2, v, lam, mask, 0.3)
+    torch.testing.assert_close(once, rows, rtol=0, atol=0)
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_tensor_as_large_as_one_map(monkeypatch):
+    """Forward and backward never hold a (B, H, N, N) tensor: the block maps are R×e."""
+    monkeypatch.setattr(fused, "BLOCK_ELEMENTS", 2 * 4 * 128 * 16)
+    inputs = _inputs(2, 4, 2, 128, 128)
+    with _LargestTensor() as seen:
+        out = fused.fused_diff_v1(*inputs, AttentionMask(), D**-0.5)
+        out.sum().backward()
+    one_map = 2 * 4 * 128 * 128
+    assert seen.largest <= one_map // 8
+
+
+def _model(backend: str) -> DiffTransformerLM:
+    model = tiny_diffattn("diff_v1", backend=backend)
+    with torch.no_grad():  # move λ and norms off their init values
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def test_whole_model_loss_and_grads_match_reference():
+    ids = torch.randint(0, TINY_VOCAB, (2, 37))
+    mask = torch.ones(2, 37, dtype=torch.long)
+    mask[1, :5] = 0
+    results = {}
+    for backend in ("reference", "fused"):
+        model = _model(backend)
+        loss = model(ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        results[backend] = (loss, {n: p.grad for n, p in model.named_parameters()})
+    (loss_ref, grads_ref), (loss, grads) = results["reference"], results["fused"]
+    assert abs(loss.item() - loss_ref.item()) <= 1e-5 * abs(loss_ref.item())
+    assert any("lambda_q1" in name for name in grads)
+    for name, g_ref in grads_ref.items():
+        assert _rel(grads[name], g_ref) <= 1e-4, name
+
+
+def test_registry_lists_fused():
+    assert "fused" in registry.backend_names()
+    backend = registry.get_backend("fused")
+    assert backend.diff_v1 is fused.fused_diff_v1 and backend.custom_masks
+    assert kernels.resolve_backend("fused", torch.randn(1, 1, 2, 4)) == "fused"
