@@ -26,8 +26,8 @@ def _args(argv):
 
 
 def test_absurd_size_is_refused_before_allocating(monkeypatch, capsys):
-    monkeypatch.setattr(throughput, "_our_candidates", _no_models)
-    monkeypatch.setattr(throughput, "_hf_candidates", _no_models)
+    monkeypatch.setattr(throughput, "our_candidates", _no_models)
+    monkeypatch.setattr(throughput, "hf_candidates", _no_models)
     assert main(HUGE) == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
@@ -69,7 +69,7 @@ def test_an_allocator_failure_during_the_run_is_one_line(monkeypatch, capsys):
             "memory: you tried to allocate 1099511627776 bytes."
         )
 
-    monkeypatch.setattr(throughput, "_our_candidates", fail)
+    monkeypatch.setattr(throughput, "our_candidates", fail)
     assert main([*SMALL, "--no-hf"]) == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
@@ -80,6 +80,6 @@ def test_other_runtime_errors_are_not_reported_as_memory(monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("something else")
 
-    monkeypatch.setattr(throughput, "_our_candidates", fail)
+    monkeypatch.setattr(throughput, "our_candidates", fail)
     with pytest.raises(RuntimeError, match="something else"):
         main([*SMALL, "--no-hf"])

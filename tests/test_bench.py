@@ -16,6 +16,7 @@ from torch import nn
 from diffattn import ModelConfig, count_parameters, presets
 from diffattn.bench import flops
 from diffattn.bench.throughput import (
+    RECORD_FIELDS,
     LiveTensorBytes,
     add_arguments,
     build_configs,
@@ -38,21 +39,11 @@ TINY = [
     "0",
 ]
 HAS_HF = importlib.util.find_spec("transformers") is not None
-KEYS = {
-    "attention",
-    "mode",
-    "seq_len",
-    "tokens_per_s",
-    "peak_mem_bytes",
-    "params",
-    "ratio_to_baseline",
-    "d_model",
-    "layers",
-    "batch",
-    "device",
-    "dtype",
-    "backend",
-}
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+OURS = {"baseline", "diff_v1", "diff_v2"}
+HF_ROWS = {"hf_diffllama", "hf_llama"} if HAS_HF else set()
+DEX_ROWS = {"dex_unmerged", "dex_merged"} if HAS_HF else set()
+MODES = ("fwd", "fwd+bwd", "decode")
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -77,24 +68,54 @@ def records() -> list[dict]:
     import io
 
     stdout = io.StringIO()
+    argv = [*TINY, "--json", "--new-tokens", "3", "--kv-heads", "2"]
     with contextlib.redirect_stdout(stdout):
-        assert run(_args([*TINY, "--json"])) == 0
+        assert run(_args(argv + (["--dex"] if HAS_HF else []))) == 0
     return json.loads(stdout.getvalue())
 
 
 def test_json_records_cover_every_model_and_mode(records):
-    expected = {"baseline", "diff_v1", "diff_v2"} | (
-        {"hf_diffllama", "hf_llama"} if HAS_HF else set()
-    )
+    expected = OURS | HF_ROWS | DEX_ROWS
     seen = {(r["attention"], r["mode"]) for r in records}
-    assert seen == {(a, m) for a in expected for m in ("fwd", "fwd+bwd")}
+    assert seen == {(a, m) for a in expected for m in MODES}
     assert len(records) == len(seen)
     for r in records:
-        assert KEYS.issubset(r)
         assert r["tokens_per_s"] > 0 and r["peak_mem_bytes"] > 0 and r["params"] > 0
         assert r["ratio_to_baseline"] > 0
         assert (r["seq_len"], r["d_model"], r["layers"], r["batch"]) == (16, 128, 1, 1)
         assert (r["device"], r["dtype"], r["backend"]) == ("cpu", "fp32", "auto")
+
+
+def test_json_records_follow_the_schema(records):
+    for r in records:
+        assert set(r) == set(RECORD_FIELDS)
+        for key, kind in RECORD_FIELDS.items():
+            assert isinstance(r[key], kind), (key, r[key])
+        assert (r["n_heads"], r["n_kv_heads"]) == (2, 2)
+        assert r["mfu"] is None and r["peak_tflops"] is None  # no peak known for a CPU
+        assert r["flops_per_token"] > 0 and 0 < r["flop_bound"] <= 1.0 + 1e-9
+        assert len(r["seconds"]) == 1 and r["threads"] == 1
+        decode = r["mode"] == "decode"
+        assert (r["prompt_len"], r["new_tokens"]) == ((16, 3) if decode else (None, None))
+        assert r["cache"] == (
+            None if not decode else "static" if r["attention"] in OURS else "dynamic"
+        )
+        assert r["mem_seq_len"] == 16
+
+
+def test_dex_rows_take_their_ratio_against_hf_llama(records):
+    if not HAS_HF:
+        pytest.skip("transformers is not installed")
+    rows = {(r["attention"], r["mode"]): r for r in records}
+    for mode in MODES:
+        merged, unmerged = rows["dex_merged", mode], rows["dex_unmerged", mode]
+        base = rows["hf_llama", mode]
+        assert merged["ratio_reference"] == unmerged["ratio_reference"] == "hf_llama"
+        assert merged["params"] == base["params"]  # folded into W_O: a plain Llama again
+        # one head of width 64 adapted in the single layer: W_D (64×64) plus λ_learn
+        assert unmerged["params"] == base["params"] + 64 * 64 + 1
+        assert merged["flops_per_token"] == base["flops_per_token"]
+        assert unmerged["flops_per_token"] > base["flops_per_token"]
 
 
 def test_reference_rows_have_ratio_one(records):
@@ -114,7 +135,7 @@ def test_parameter_counts_are_matched(records):
 
 
 def test_json_mode_prints_only_json(capsys):
-    assert run(_args([*TINY, "--json", "--no-hf"])) == 0
+    assert run(_args([*TINY, "--json", "--no-hf", "--mode", "fwd"])) == 0
     out = capsys.readouterr().out
     assert {r["attention"] for r in json.loads(out)} == {"baseline", "diff_v1", "diff_v2"}
 
@@ -129,6 +150,18 @@ def test_json_mode_prints_only_json(capsys):
         (["--batch", "0"], "--batch"),
         (["--steps", "0"], "--steps"),
         (["--warmup", "-1"], "--warmup"),
+        (["--new-tokens", "0"], "--new-tokens"),
+        (["--prompt-len", "0"], "--prompt-len"),
+        (["--mem-seq-len", "1"], "--mem-seq-len"),
+        (["--kv-heads", "3"], "--kv-heads"),
+        (["--kv-heads", "1"], "--kv-heads"),
+        (["--sweep", "1,16"], "--sweep"),
+        (["--peak-tflops", "0"], "--peak-tflops"),
+        (["--plot", "/no/such/folder/x.png"], "--plot"),
+        (["--plot", "throughput.svg"], "--plot"),
+        (["--backend", "nonesuch"], "--backend"),
+        (["--backend", "flash"], "--backend"),
+        (["--dex", "--no-hf"], "--dex"),
     ],
 )
 def test_bad_input_exits_2_naming_the_option(argv, option, capsys):
@@ -202,3 +235,78 @@ def test_live_tensor_bytes_tracks_allocations_and_frees():
         del z, w
     assert tracker.peak == 2 * 4000
     assert tracker.live == 0
+
+
+def _run_json(argv: list[str], capsys) -> list[dict]:
+    assert run(_args([*TINY, "--json", "--no-hf", *argv])) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_mode_selects_what_is_timed(capsys):
+    records = _run_json(["--mode", "decode", "--new-tokens", "2", "--prompt-len", "5"], capsys)
+    assert {r["mode"] for r in records} == {"decode"}
+    assert all((r["seq_len"], r["prompt_len"], r["new_tokens"]) == (5, 5, 2) for r in records)
+    records = _run_json(["--mode", "fwd+bwd", "--mem-seq-len", "24"], capsys)
+    assert {r["mode"] for r in records} == {"fwd+bwd"}
+    assert all(r["mem_seq_len"] == 24 and r["seq_len"] == 16 for r in records)
+
+
+def test_the_mode_option_refuses_other_values(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _args(["--mode", "train"])
+    assert exit_info.value.code == 2 and "--mode" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _args(["--sweep", "512,long"])
+
+
+def test_mfu_from_a_given_peak(capsys):
+    records = _run_json(["--mode", "fwd", "--peak-tflops", "2.5"], capsys)
+    for r in records:
+        assert r["peak_tflops"] == 2.5
+        assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / 2.5e12)
+    rows = {r["attention"]: r for r in records}
+    base = build_configs(_args(TINY))["baseline"]
+    assert rows["baseline"]["flops_per_token"] == flops.flops_per_token(base, 16).forward
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")
+def test_sweep_writes_one_record_per_length_and_a_png(tmp_path, capsys):
+    png = tmp_path / "throughput.png"
+    argv = ["--sweep", "8,16", "--plot", str(png), "--mode", "decode"]
+    records = _run_json([*argv, "--new-tokens", "2"], capsys)
+    assert {(r["attention"], r["seq_len"]) for r in records} == {
+        (a, n) for a in OURS for n in (8, 16)
+    }
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_plot_alone_sweeps_the_device_default():
+    from diffattn.bench.throughput import DEFAULT_SWEEP, lengths_of
+
+    assert lengths_of(_args([*TINY, "--plot", "x.png"])) == list(DEFAULT_SWEEP["cpu"])
+    assert lengths_of(_args([*TINY, "--sweep", "64 32,32"])) == [32, 64]
+    assert lengths_of(_args(TINY)) == [16]
+    assert max(DEFAULT_SWEEP["cuda"]) == 8192 and min(DEFAULT_SWEEP["cuda"]) == 512
+
+
+def test_decode_flops_average_the_keys_each_step_reads():
+    base, v1 = _paper_configs(1365)
+    d = 512
+    linear = 2 * (4 * d * d + 3 * d * 1365)
+    head = 2 * d * 8192
+    # steps read 1025, 1026, 1027 keys: mean 1026; QKᵀ and AV cost 2·d per key and head
+    assert flops.decode_flops_per_token(base, 1024, 3) == 4 * (linear + 4 * d * 1026) + head
+    assert flops.decode_flops_per_token(v1, 1024, 3) == 4 * (linear + 6 * d * 1026) + head
+    with pytest.raises(ValueError, match="new_tokens"):
+        flops.decode_flops_per_token(base, 1024, 0)
+
+
+def test_peak_table_and_override():
+    from diffattn.bench.hardware import mfu, peak_tflops
+
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.4)
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == pytest.approx(756.0)
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == pytest.approx(19.5)
+    assert peak_tflops("cpu", "fp32") is None
+    assert peak_tflops("cpu", "fp32", override=1.5) == 1.5
+    assert mfu(1e9, 1e3, None) is None and mfu(1e9, 1e3, 1.0) == pytest.approx(1.0)

@@ -16,6 +16,8 @@ an ``m``-wide input into ``n`` outputs costs ``2·m·n`` FLOPs per token):
     ``sdpa`` and ``flash`` backends): ``4·N·n_heads·d``.
   - DIFF V2: ``2·n_heads`` query heads of width d, values of width d: ``4·N·n_heads·d``.
 * **LM head**: ``2·d_model·vocab``.
+* **decode** (:func:`decode_flops_per_token`): one new token per step reads every cached key, so
+  its attention costs as above with ``N/2`` replaced by the number of keys it reads.
 
 Norms, RoPE, softmax and other elementwise work are left out. Backward costs twice the
 forward, so a training step costs three forwards and the bound is the same in both modes.
@@ -67,9 +69,16 @@ def attention_flops_per_layer(
     config: ModelConfig, seq_len: int, v1_form: V1Form = "qk_once"
 ) -> float:
     """Forward FLOPs per token of one layer's causal attention (≈ ``seq_len/2`` keys)."""
+    return attention_flops_for_keys(config, seq_len / 2, v1_form)
+
+
+def attention_flops_for_keys(
+    config: ModelConfig, keys: float, v1_form: V1Form = "qk_once"
+) -> float:
+    """Forward FLOPs of one query token's attention in one layer when it reads ``keys`` keys."""
     if v1_form not in V1_FORMS:
         raise ValueError(f"v1_form must be one of {', '.join(V1_FORMS)}, got {v1_form!r}")
-    d, keys = config.dim_per_head, seq_len / 2
+    d = config.dim_per_head
     per_map = 2.0 * d * keys  # QKᵀ of one query head of width d
     if config.attention == "baseline":
         return config.n_heads * (per_map + 2.0 * d * keys)
@@ -94,6 +103,19 @@ def flops_per_token(config: ModelConfig, seq_len: int, v1_form: V1Form = "qk_onc
         attention=layers * attention_flops_per_layer(config, seq_len, v1_form),
         lm_head=2.0 * config.d_model * config.vocab_size,
     )
+
+
+def decode_flops_per_token(
+    config: ModelConfig, prompt_len: int, new_tokens: int, v1_form: V1Form = "qk_once"
+) -> float:
+    """Forward FLOPs per generated token, averaged over ``new_tokens`` decode steps after a
+    prompt of ``prompt_len`` tokens: step ``i`` (0-based) reads ``prompt_len + i + 1`` keys, so
+    the mean is ``prompt_len + (new_tokens + 1) / 2`` keys per step."""
+    if prompt_len < 1 or new_tokens < 1:
+        raise ValueError(f"prompt_len and new_tokens must be >= 1, got {prompt_len}, {new_tokens}")
+    keys = prompt_len + (new_tokens + 1) / 2
+    layer = linear_flops_per_layer(config) + attention_flops_for_keys(config, keys, v1_form)
+    return config.n_layers * layer + 2.0 * config.d_model * config.vocab_size
 
 
 def throughput_bound(

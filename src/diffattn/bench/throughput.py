@@ -1,22 +1,30 @@
-"""``diffattn bench``: throughput and peak memory of baseline, DIFF V1 and DIFF V2.
+"""``diffattn bench``: throughput, peak memory and MFU of baseline, DIFF V1 and DIFF V2.
 
 The three models are built at matched parameters: heads of width 64, ``n_heads =
-d_model / 64`` baseline heads (DIFF V1 pairs them), and DIFF V2's SwiGLU narrowed as
-``presets.get(..., match_params=True)`` does. When ``transformers`` is importable, HF
-``DiffLlamaForCausalLM`` and ``LlamaForCausalLM`` at the same size join them; HF rows are
-compared with HF Llama, so both comparisons pit a DIFF model against its own code base's
-baseline.
+d_model / 64`` baseline heads (DIFF V1 pairs them), ``--kv-heads`` key/value heads (GQA), and
+DIFF V2's SwiGLU narrowed as ``presets.get(..., match_params=True)`` does. When
+``transformers`` is importable, HF ``DiffLlamaForCausalLM`` and ``LlamaForCausalLM`` at the same
+size join them (``--dex`` adds that Llama with Dex, unmerged and merged); HF rows are compared
+with HF Llama, so every comparison pits a model against its own code base's baseline
+(:mod:`diffattn.bench.models`).
 
-Timing: per mode (``fwd`` under ``torch.no_grad()``, ``fwd+bwd`` = loss, backward, zero
-grads), every repetition runs all models in turn, starting one model later each time, so
-slow drift hits every model alike; the median over the timed repetitions gives
-``tokens/s = batch·seq_len / median seconds``.
+Modes (``--mode``): ``fwd`` (under ``torch.no_grad()``), ``fwd+bwd`` (loss, backward, zero
+grads) and ``decode`` (``--new-tokens`` greedy one-token steps after a ``--prompt-len`` prompt
+run into a fresh KV cache, which is not timed; ours use the static cache). Every repetition
+runs all models in turn, starting one model later each time, so slow drift hits every model
+alike; the median over the timed repetitions gives ``tokens/s = batch·N / median seconds``
+(``batch·new_tokens`` in decode), and ratios come from one run.
 
-Peak memory (one extra, untimed step per model and mode): the largest number of bytes held
-at once by tensors allocated during the step, above what was live before it (weights of
-every resident model). It covers activations, saved tensors, gradients and the tensors ops
-return; on CUDA it is ``max_memory_allocated`` minus ``memory_allocated`` at the start, so
-it also covers kernel workspaces taken from the caching allocator; on CPU it is tracked by
+``--sweep`` repeats everything at several sequence lengths and ``--plot`` draws tokens/s
+against the length per mode (the analogue of Dex Fig 12). MFU (:mod:`diffattn.bench.hardware`)
+needs a known GPU or ``--peak-tflops``.
+
+Peak memory (one extra, untimed run per model and mode, at ``--mem-seq-len`` for ``fwd`` and
+``fwd+bwd``; the whole prefill and decode in ``decode``, cache included): the largest number of
+bytes held at once by tensors allocated during the run, above what was live before it (weights
+of every resident model). It covers activations, saved tensors, gradients and the tensors ops
+return; on CUDA it is ``max_memory_allocated`` minus ``memory_allocated`` at the start, so it
+also covers kernel workspaces taken from the caching allocator; on CPU it is tracked by
 :class:`LiveTensorBytes` and misses scratch memory kernels allocate internally.
 """
 
@@ -30,7 +38,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,23 +46,82 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from diffattn import presets
-from diffattn.attention.kernels import flash_available, resolve_backend
-from diffattn.bench.flops import throughput_bound, v1_form_for_kernel
-from diffattn.config import BACKENDS, ModelConfig
-from diffattn.model import DiffTransformerLM
+from diffattn.attention.kernels import resolve_backend
+from diffattn.attention.registry import backend_names
+from diffattn.bench.flops import throughput_bound
+from diffattn.bench.hardware import device_name, mfu, peak_tflops
+from diffattn.bench.models import (
+    Candidate,
+    dex_candidates,
+    hf_available,
+    hf_candidates,
+    our_candidates,
+)
+from diffattn.config import ModelConfig
 
 HEAD_DIM = 64
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
-MODES = ("fwd", "fwd+bwd")
+MODES = ("fwd", "fwd+bwd", "decode")
+MODE_CHOICES = (*MODES, "all")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEVICES = ("cpu", "cuda")
+DEFAULT_SWEEP = {"cuda": (512, 1024, 2048, 4096, 8192), "cpu": (256, 512, 1024)}
+"""Lengths ``--plot`` sweeps when ``--sweep`` is not given (CPU: affordable on a laptop)."""
 MEMORY_NOTE = {
-    "cuda": "peak mem: torch.cuda.max_memory_allocated during one step minus the bytes "
-    "allocated before it (weights excluded; activations, gradients, workspaces included)",
+    "cuda": "peak mem: torch.cuda.max_memory_allocated during one run minus the bytes "
+    "allocated before it (weights excluded; activations, gradients, KV cache, workspaces "
+    "included)",
     "cpu": "peak mem: most bytes held at once by tensors that aten ops allocated during one "
-    "step (tracked per storage; weights excluded; activations, gradients included; scratch "
-    "memory inside kernels and allocator overhead not seen); not process RSS",
+    "run (tracked per storage; weights excluded; activations, gradients, KV cache included; "
+    "scratch memory inside kernels and allocator overhead not seen); not process RSS",
 }
+RECORD_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "attention": str,
+    "mode": str,
+    "seq_len": int,
+    "tokens_per_s": float,
+    "peak_mem_bytes": int,
+    "mem_seq_len": int,
+    "params": int,
+    "ratio_to_baseline": float,
+    "mem_ratio_to_baseline": float,
+    "ratio_reference": str,
+    "flop_bound": float,
+    "flops_per_token": float,
+    "mfu": (float, type(None)),
+    "peak_tflops": (float, type(None)),
+    "seconds_median": float,
+    "seconds": list,
+    "spread": float,
+    "kernel": str,
+    "cache": (str, type(None)),
+    "prompt_len": (int, type(None)),
+    "new_tokens": (int, type(None)),
+    "d_model": int,
+    "layers": int,
+    "n_heads": int,
+    "n_kv_heads": int,
+    "vocab": int,
+    "batch": int,
+    "device": str,
+    "device_name": str,
+    "threads": int,
+    "dtype": str,
+    "backend": str,
+    "compiled": bool,
+    "torch": str,
+}
+"""Every key of a JSON record and its type (``seq_len`` is the prompt length in decode)."""
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 512,1024, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one length")
+    return values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,17 +134,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model width, a multiple of 128 (heads of width 64, paired by V1)",
     )
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
+    parser.add_argument(
+        "--kv-heads",
+        type=int,
+        default=None,
+        help="key/value heads (GQA); default d_model/64 (no grouping); DIFF V1 needs it even",
+    )
     parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--steps", type=int, default=3, help="timed repetitions per mode")
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
+    parser.add_argument(
+        "--mode",
+        choices=MODE_CHOICES,
+        default="all",
+        help="what to time: fwd, fwd+bwd, decode or all three (default)",
+    )
+    parser.add_argument(
+        "--prompt-len", type=int, default=None, help="decode: prompt tokens (default --seq-len)"
+    )
+    parser.add_argument("--new-tokens", type=int, default=64, help="decode: tokens generated")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode: run our models' static-cache decode step through "
+        "torch.compile(fullgraph=True) (compiled during warmup)",
+    )
+    parser.add_argument(
+        "--mem-seq-len",
+        type=int,
+        default=None,
+        help="measure fwd and fwd+bwd peak memory at this length (default --seq-len)",
+    )
     parser.add_argument("--device", choices=DEVICES, default="cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     parser.add_argument(
         "--backend",
-        choices=BACKENDS,
         default="auto",
-        help="attention backend of the diffattn models",
+        help="attention backend of the diffattn models: auto or a registered one "
+        "(diffattn.attention.registry)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the device's dense peak TFLOP/s in --dtype, for MFU (known GPUs need none)",
     )
     parser.add_argument(
         "--json",
@@ -87,18 +188,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-hf", action="store_true", help="skip the Hugging Face DiffLlama and Llama models"
     )
+    parser.add_argument(
+        "--dex",
+        action="store_true",
+        help="add HF Llama with Dex on half its heads, unmerged and merged (needs transformers)",
+    )
+    parser.add_argument(
+        "--sweep",
+        type=_lengths,
+        default=None,
+        help="time at each of these sequence lengths (e.g. 512,1024,2048); decode prompts too",
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="write a PNG of tokens/s against sequence length per mode; sweeps "
+        "512..8192 on CUDA and 256,512,1024 on CPU unless --sweep is given",
+    )
 
 
 # --------------------------------------------------------------------------------------
 # validation and model construction
 # --------------------------------------------------------------------------------------
+def modes_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """The modes ``--mode`` asks for, in report order."""
+    return MODES if args.mode == "all" else (args.mode,)
+
+
+def lengths_of(args: argparse.Namespace) -> list[int]:
+    """The sequence lengths to time: ``--sweep``, the default sweep of ``--plot``, or
+    ``--seq-len``."""
+    if args.sweep:
+        return sorted(set(args.sweep))
+    if args.plot is not None:
+        return list(DEFAULT_SWEEP[args.device])
+    return [args.seq_len]
+
+
+def prompt_len_of(args: argparse.Namespace, seq_len: int) -> int:
+    """The decode prompt length at timed length ``seq_len``."""
+    return args.prompt_len if args.prompt_len is not None else seq_len
+
+
+def longest(args: argparse.Namespace) -> int:
+    """The most positions any run of ``args`` needs (the models' ``max_seq_len``)."""
+    need = [*lengths_of(args), args.mem_seq_len or 0]
+    if "decode" in modes_of(args):
+        need += [prompt_len_of(args, n) + args.new_tokens for n in lengths_of(args)]
+    return max(need)
+
+
 def _check_arguments(args: argparse.Namespace) -> str | None:
     """The first problem with ``args`` as a message naming the option, or ``None``."""
     minimum = {"seq_len": 2, "layers": 1, "vocab": 2, "batch": 1, "steps": 1, "warmup": 0}
-    why = {"seq_len": " (the loss needs a next token)"}
+    minimum |= {"new_tokens": 1, "prompt_len": 1, "mem_seq_len": 2, "kv_heads": 1}
+    why = {"seq_len": " (the loss needs a next token)", "mem_seq_len": " (as --seq-len)"}
+    optional = {"prompt_len", "mem_seq_len", "kv_heads"}
     for name, low in minimum.items():
         value = getattr(args, name)
-        if not isinstance(value, int) or value < low:
+        if value is None and name in optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
             option = "--" + name.replace("_", "-")
             return f"{option} must be an integer >= {low}{why.get(name, '')}, got {value!r}"
     d_model = args.d_model
@@ -107,18 +258,38 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
             f"--d-model must be a positive multiple of {2 * HEAD_DIM} (heads of width "
             f"{HEAD_DIM}, and DIFF V1 pairs them), got {d_model!r}"
         )
+    heads = d_model // HEAD_DIM
+    kv = args.kv_heads
+    if kv is not None and (heads % kv or kv % 2):
+        return (
+            f"--kv-heads must be an even divisor of the {heads} heads (GQA groups; DIFF V1 "
+            f"pairs key heads), got {kv}"
+        )
+    if args.mode not in MODE_CHOICES:
+        return f"--mode must be one of {', '.join(MODE_CHOICES)}, got {args.mode!r}"
+    if args.sweep is not None and min(args.sweep) < 2:
+        return f"--sweep lengths must be integers >= 2, got {args.sweep}"
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        return f"--peak-tflops must be a positive number, got {args.peak_tflops!r}"
+    if args.plot is not None and not args.plot.parent.is_dir():
+        return f"--plot: the folder {str(args.plot.parent)!r} does not exist"
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        return f"--plot writes a PNG; give a path ending in .png, got {str(args.plot)!r}"
+    if args.dex and (args.no_hf or not hf_available()):
+        return "--dex adapts the HF Llama row: it needs transformers and no --no-hf"
     if args.device not in DEVICES:
         return f"--device must be one of {', '.join(DEVICES)}, got {args.device!r}"
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: CUDA is not available on this machine"
     if args.dtype not in DTYPES:
         return f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}"
-    if args.backend not in BACKENDS:
-        return f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}"
-    if args.backend == "flash" and not (
-        flash_available() and args.device == "cuda" and args.dtype == "bf16"
-    ):
-        return "--backend flash needs --device cuda, --dtype bf16 and the flash-attn package"
+    if args.backend not in backend_names():
+        return f"--backend must be one of {', '.join(backend_names())}, got {args.backend!r}"
+    probe = torch.empty(0, device=args.device, dtype=DTYPES[args.dtype])
+    try:
+        resolve_backend(args.backend, probe)
+    except RuntimeError as error:
+        return f"--backend {args.backend}: {error}"
     return None
 
 
@@ -134,7 +305,8 @@ def build_configs(args: argparse.Namespace) -> dict[str, ModelConfig]:
         d_model=args.d_model,
         n_layers=args.layers,
         n_heads=args.d_model // HEAD_DIM,
-        max_seq_len=args.seq_len,
+        n_kv_heads=getattr(args, "kv_heads", None),
+        max_seq_len=longest(args),
         attention="baseline",
         backend=args.backend,
     )
@@ -145,108 +317,22 @@ def build_configs(args: argparse.Namespace) -> dict[str, ModelConfig]:
     }
 
 
-@dataclass
-class Candidate:
-    """One model under test and how to call it."""
-
-    name: str
-    model: torch.nn.Module
-    params: int
-    kernel: str
-    """Attention kernel actually used: a resolved diffattn backend or HF attn_implementation."""
-    reference: str
-    """The row this one's ratios are taken against."""
-    flop_bound: float
-    call: Callable[..., Any]
-    """``call(ids, labels)`` -> an output with ``.loss`` (``labels`` may be ``None``)."""
-
-
-def _our_candidates(configs, device, dtype, seq_len) -> list[Candidate]:
-    probe = torch.empty(0, device=device, dtype=dtype)
-    out = []
-    for name, config in configs.items():
-        torch.manual_seed(0)
-        model = DiffTransformerLM(config).to(device=device, dtype=dtype)
-        kernel = resolve_backend(config.backend, probe)
-        bound = throughput_bound(config, configs["baseline"], seq_len, v1_form_for_kernel(kernel))
-        out.append(
-            Candidate(
-                name,
-                model,
-                model.num_parameters(),
-                kernel,
-                "baseline",
-                bound,
-                lambda ids, labels, m=model: m(ids, labels=labels),
-            )
-        )
-    return out
-
-
-def _hf_candidates(configs, device, dtype, seq_len) -> list[Candidate]:
-    """HF Llama and DiffLlama at the size of ``configs``; empty without ``transformers``.
-
-    HF DiffLlama counts heads like our config (``num_attention_heads`` query heads of width
-    ``head_dim``, paired h / h+H/2; V has ``num_key_value_heads`` heads of width d), so the
-    same numbers give our DIFF V1's shapes. It has no head-norm weight, 2d per layer fewer
-    parameters. Its attention runs two SDPA calls, each over all query half-heads against one
-    d-wide half of V, so QKᵀ is computed twice (the split-V two-call form of the FLOP count).
-    """
-    try:
-        from transformers import DiffLlamaForCausalLM, LlamaForCausalLM
-    except ImportError:
-        return []
-    from diffattn.convert.diffllama import diffattn_config_to_diffllama
-    from diffattn.convert.llama import diffattn_config_to_llama
-
-    base = configs["baseline"]
-    specs = (
-        ("hf_llama", diffattn_config_to_llama(base), LlamaForCausalLM, "baseline"),
-        (
-            "hf_diffllama",
-            diffattn_config_to_diffllama(configs["diff_v1"]),
-            DiffLlamaForCausalLM,
-            "diff_v1",
-        ),
-    )
-    out = []
-    for name, hf_config, model_cls, ours in specs:
-        torch.manual_seed(0)
-        impl = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
-        model = model_cls._from_config(hf_config, attn_implementation=impl)
-        model = model.to(device=device, dtype=dtype)
-        bound = throughput_bound(configs[ours], base, seq_len, "two_call")
-        out.append(
-            Candidate(
-                name,
-                model,
-                sum(p.numel() for p in model.parameters()),
-                model.config._attn_implementation,
-                "hf_llama",
-                bound,
-                lambda ids, labels, m=model: m(input_ids=ids, labels=labels, use_cache=False),
-            )
-        )
-    return out
-
-
 # --------------------------------------------------------------------------------------
 # memory needed, checked before anything is allocated
 # --------------------------------------------------------------------------------------
 GIB = 1024**3
-HF_ROWS = 2
-"""HF Llama and DiffLlama: about the baseline's and DIFF V1's sizes."""
 
 
 def estimate_memory(configs: dict[str, ModelConfig], args: argparse.Namespace) -> dict[str, int]:
     """A lower bound on the bytes a bench run holds at its peak, from the configs alone.
 
     ``weights``: every model under test stays resident (ours, plus HF Llama and DiffLlama
-    unless ``--no-hf``). ``step``: one forward+backward of the largest model needs at least
-    its gradients, the activations each layer saves (the normed input, Q/K/V, the attention
-    output and the residual, about ``6·d_model`` numbers per token, and the three SwiGLU
-    projections, ``3·d_ff``) and the fp32 logits with their gradient. Attention maps,
-    optimizer-free workspaces and allocator slack come on top, so the true need is higher.
+    unless ``--no-hf``, plus two Dex copies of HF Llama with ``--dex``). ``step``: one
+    forward+backward of the largest model at the longest length needs at least its gradients,
+    the activations each layer saves (the normed input, Q/K/V, the attention output and the
+    residual, about ``6·d_model`` numbers per token, and the three SwiGLU projections,
+    ``3·d_ff``) and the fp32 logits with their gradient. Attention maps, optimizer-free
+    workspaces and allocator slack come on top, so the true need is higher.
     """
     from diffattn.model import count_parameters
 
@@ -255,7 +341,9 @@ def estimate_memory(configs: dict[str, ModelConfig], args: argparse.Namespace) -
     resident = sum(params.values())
     if not args.no_hf:
         resident += params["baseline"] + params["diff_v1"]
-    tokens = args.batch * args.seq_len
+    if args.dex:
+        resident += 2 * params["baseline"]
+    tokens = args.batch * max(*lengths_of(args), args.mem_seq_len or 0)
     largest = max(params, key=params.get)
     config = configs[largest]
     saved = config.n_layers * tokens * (6 * config.d_model + 3 * config.ffn_dim) * width
@@ -312,6 +400,8 @@ def _out_of_memory(error: BaseException) -> bool:
 # --------------------------------------------------------------------------------------
 # measurement
 # --------------------------------------------------------------------------------------
+
+
 class LiveTensorBytes(TorchDispatchMode):
     """Tracks the bytes of storages that aten ops allocate while the mode is active.
 
@@ -383,22 +473,42 @@ def peak_step_bytes(run_step: Callable[[], None], device: str) -> int:
     return tracker.peak
 
 
-def time_interleaved(candidates, ids, mode, steps, warmup, device, log) -> dict[str, list]:
-    """Seconds per step of each candidate: every repetition runs all of them in turn."""
+def runner(candidate: Candidate, ids: torch.Tensor, mode: str, new_tokens: int):
+    """``prepare()`` for one timed run of ``candidate``: it does the untimed part (decode's
+    prefill) and returns the part to time."""
+    if mode == "decode":
+        return lambda: candidate.decode(ids, new_tokens)
+    return lambda: lambda: _step(candidate, ids, mode)
+
+
+def time_interleaved(
+    candidates, ids, mode, steps, warmup, device, log, new_tokens: int = 1
+) -> dict[str, list]:
+    """Seconds per timed run of each candidate: every repetition runs all of them in turn."""
     times: dict[str, list[float]] = {c.name: [] for c in candidates}
     for rep in range(warmup + steps):
         shift = rep % len(candidates)
         order = candidates[shift:] + candidates[:shift]
         label = f"warmup {rep + 1}/{warmup}" if rep < warmup else f"step {rep - warmup + 1}/{steps}"
-        log(f"[{mode}] {label}: " + " -> ".join(c.name for c in order))
+        log(f"[{mode} N={ids.shape[1]}] {label}: " + " -> ".join(c.name for c in order))
         for candidate in order:
+            timed = runner(candidate, ids, mode, new_tokens)()
             _synchronize(device)
             start = time.perf_counter()
-            _step(candidate, ids, mode)
+            timed()
             _synchronize(device)
             if rep >= warmup:
                 times[candidate.name].append(time.perf_counter() - start)
     return times
+
+
+def peak_bytes(candidates, ids, mode, device, new_tokens: int = 1) -> dict[str, int]:
+    """One untimed run per candidate: its peak memory (decode: prefill and decode together)."""
+    peaks = {}
+    for c in candidates:
+        prepare = runner(c, ids, mode, new_tokens)
+        peaks[c.name] = peak_step_bytes(lambda prepare=prepare: prepare()(), device)
+    return peaks
 
 
 # --------------------------------------------------------------------------------------
@@ -409,34 +519,57 @@ def _spread(seconds: list[float]) -> float:
     return (max(seconds) - min(seconds)) / statistics.median(seconds)
 
 
-def _records(candidates, mode, times, peaks, args) -> list[dict[str, Any]]:
-    tokens = args.batch * args.seq_len
+def _records(candidates, mode, seq_len, times, peaks, args, mem_seq_len) -> list[dict[str, Any]]:
+    decode = mode == "decode"
+    new = args.new_tokens if decode else 1
+    tokens = args.batch * (new if decode else seq_len)
     speed = {name: tokens / statistics.median(t) for name, t in times.items()}
+    by_name = {c.name: c for c in candidates}
+    name = device_name(args.device)
+    peak = peak_tflops(name, args.dtype, args.peak_tflops)
     records = []
     for c in candidates:
+        ref = by_name[c.reference]
+        flops = c.flops_per_token(mode, seq_len, new)
+        bound = ref.flops_per_token(mode, seq_len, new, as_computed=True) / c.flops_per_token(
+            mode, seq_len, new, as_computed=True
+        )
         records.append(
             {
                 "attention": c.name,
                 "mode": mode,
-                "seq_len": args.seq_len,
+                "seq_len": seq_len,
                 "tokens_per_s": speed[c.name],
                 "peak_mem_bytes": int(peaks[c.name]),
+                "mem_seq_len": seq_len if decode else mem_seq_len,
                 "params": c.params,
                 "ratio_to_baseline": speed[c.name] / speed[c.reference],
                 "mem_ratio_to_baseline": peaks[c.name] / max(peaks[c.reference], 1),
                 "ratio_reference": c.reference,
-                "flop_bound": c.flop_bound,
+                "flop_bound": bound,
+                "flops_per_token": flops,
+                "mfu": mfu(flops, speed[c.name], peak),
+                "peak_tflops": peak,
                 "seconds_median": statistics.median(times[c.name]),
                 "seconds": times[c.name],
                 "spread": _spread(times[c.name]),
                 "kernel": c.kernel,
+                "cache": c.cache if decode else None,
+                "prompt_len": seq_len if decode else None,
+                "new_tokens": new if decode else None,
                 "d_model": args.d_model,
                 "layers": args.layers,
+                "n_heads": c.config.n_heads,
+                "n_kv_heads": c.config.num_kv_heads,
                 "vocab": args.vocab,
                 "batch": args.batch,
                 "device": args.device,
+                "device_name": name,
+                "threads": torch.get_num_threads(),
                 "dtype": args.dtype,
                 "backend": args.backend,
+                "compiled": bool(decode and args.compile and c.name in ATTENTIONS),
+                "torch": torch.__version__,
             }
         )
     return records
@@ -451,54 +584,76 @@ def format_bytes(nbytes: float) -> str:
     return f"{nbytes:.1f} GiB"
 
 
-def format_table(records: list[dict[str, Any]], mode: str) -> str:
-    """One plain-text table for ``mode``."""
+def format_table(records: list[dict[str, Any]], mode: str, seq_len: int | None = None) -> str:
+    """One plain-text table for ``mode`` (at ``seq_len``, when given)."""
+    rows = [
+        r for r in records if r["mode"] == mode and (seq_len is None or r["seq_len"] == seq_len)
+    ]
+    with_mfu = any(r["mfu"] is not None for r in rows)
     head = (
         f"{'model':<13} {'kernel':<7} {'params':>12} {'tokens/s':>11} {'spread':>7} "
-        f"{'x ref':>6} "
-        f"{'FLOP bound':>10} {'peak mem':>13} {'x ref':>6}  ref"
+        f"{'x ref':>6} {'FLOP bound':>10} {'peak mem':>13} {'x ref':>6}"
+        + (f" {'MFU':>6}" if with_mfu else "")
+        + "  ref"
     )
     lines = [head, "-" * len(head)]
-    for r in (r for r in records if r["mode"] == mode):
+    for r in rows:
         lines.append(
             f"{r['attention']:<13} {r['kernel']:<7} {r['params']:>12,} "
             f"{r['tokens_per_s']:>11,.1f} {r['spread']:>7.0%} {r['ratio_to_baseline']:>6.3f} "
             f"{r['flop_bound']:>10.3f} {format_bytes(r['peak_mem_bytes']):>13} "
-            f"{r['mem_ratio_to_baseline']:>6.3f}  {r['ratio_reference']}"
+            f"{r['mem_ratio_to_baseline']:>6.3f}"
+            + (f" {r['mfu']:>6.1%}" if with_mfu else "")
+            + f"  {r['ratio_reference']}"
         )
     return "\n".join(lines)
 
 
+def _mode_title(mode: str, seq_len: int, args: argparse.Namespace) -> str:
+    if mode == "fwd":
+        return f"forward, torch.no_grad(), N={seq_len}"
+    if mode == "fwd+bwd":
+        return f"forward + backward (loss, backward, zero grads), N={seq_len}"
+    caches = "ours: static cache" + (", torch.compile(fullgraph=True)" if args.compile else "")
+    return (
+        f"{args.new_tokens} greedy one-token steps after a {seq_len}-token prompt "
+        f"(prefill untimed; {caches}; HF: its dynamic cache)"
+    )
+
+
 def _report(records, configs, candidates, args) -> str:
-    mode_titles = {
-        "fwd": "forward, torch.no_grad()",
-        "fwd+bwd": "forward + backward (loss, backward, zero grads)",
-    }
-    base, v1 = configs["baseline"], configs["diff_v1"]
-    n = args.seq_len
+    base = configs["baseline"]
+    heads = f"heads {base.n_heads}x{HEAD_DIM}, kv heads {base.num_kv_heads}"
+    mem_n = args.mem_seq_len
     out = [
-        f"diffattn bench: d_model {args.d_model}, layers {args.layers}, heads "
-        f"{base.n_heads}x{HEAD_DIM} (V1: {base.n_heads // 2} of width 2x{HEAD_DIM}), d_ff "
-        f"{base.ffn_dim} (V2: {configs['diff_v2'].ffn_dim}), vocab {args.vocab}",
-        f"batch {args.batch} x seq {n}; device {args.device} ({torch.get_num_threads()} "
+        f"diffattn bench: d_model {args.d_model}, layers {args.layers}, {heads} (V1: "
+        f"{base.n_heads // 2} of width 2x{HEAD_DIM}), d_ff {base.ffn_dim} (V2: "
+        f"{configs['diff_v2'].ffn_dim}), vocab {args.vocab}",
+        f"batch {args.batch}; device {device_name(args.device)} ({torch.get_num_threads()} "
         f"threads), {args.dtype}, backend {args.backend}; torch {torch.__version__}",
-        f"tokens/s = batch*seq_len / median of {args.steps} interleaved steps "
-        f"(after {args.warmup} warmup); spread = (slowest - fastest) / median step; "
+        f"tokens/s = batch*N (decode: batch*new tokens) / median of {args.steps} interleaved "
+        f"runs (after {args.warmup} warmup); spread = (slowest - fastest) / median run; "
         "'x ref' = ratio to the row named in 'ref'",
-        MEMORY_NOTE[args.device],
-        "FLOP bound = FLOPs(ref's baseline) / FLOPs(model) per token: the best 'x ref' "
-        "throughput possible (diffattn.bench.flops)",
+        MEMORY_NOTE[args.device]
+        + (f"; fwd and fwd+bwd memory measured at N={mem_n}" if mem_n else ""),
+        "FLOP bound = FLOPs(ref) / FLOPs(model) per token as each kernel computes them: the "
+        "best 'x ref' throughput possible (diffattn.bench.flops); MFU = model FLOPs x tokens/s "
+        "/ peak (DIFF V1 counted with QK once)",
     ]
-    for mode in MODES:
-        out += ["", f"== {mode}: {mode_titles[mode]} ==", format_table(records, mode)]
-    once = throughput_bound(v1, base, n, "qk_once")
-    two = throughput_bound(v1, base, n, "two_call")
-    out += [
-        "",
-        f"FLOP bound DIFF V1 / baseline at N={n}, d_ff={base.ffn_dim}: {once:.3f} "
-        f"with QK once (reference), {two:.3f} with QKᵀ at width 2d (sdpa and flash, which "
-        "zero-pad Q/K to V's width) or the split-V two-call form (HF DiffLlama)",
-    ]
+    for n in lengths_of(args):
+        for mode in modes_of(args):
+            shown = prompt_len_of(args, n) if mode == "decode" else n
+            out += ["", f"== {mode}: {_mode_title(mode, shown, args)} =="]
+            out.append(format_table(records, mode, shown))
+    v1 = configs["diff_v1"]
+    for n in lengths_of(args):
+        once = throughput_bound(v1, base, n, "qk_once")
+        two = throughput_bound(v1, base, n, "two_call")
+        out.append(
+            f"FLOP bound DIFF V1 / baseline at N={n}, d_ff={base.ffn_dim}: {once:.3f} with QK "
+            f"once (reference), {two:.3f} with QKᵀ at width 2d (sdpa and flash, which zero-pad "
+            "Q/K to V's width) or the split-V two-call form (HF DiffLlama)"
+        )
     by_name = {c.name: c for c in candidates}
     if "hf_diffllama" in by_name:
         ours, hf = by_name["diff_v1"].params, by_name["hf_diffllama"].params
@@ -540,37 +695,54 @@ def run(args: argparse.Namespace) -> int:
         first = " ".join(str(error).split())[:200]
         log(
             f"diffattn bench: error: out of memory at d_model {args.d_model}, {args.layers} "
-            f"layers, batch {args.batch} x seq_len {args.seq_len} (at least {need / GIB:,.1f} "
-            f"GiB estimated): {first}; lower --d-model, --layers, --seq-len or --batch"
+            f"layers, batch {args.batch} x seq_len {max(lengths_of(args))} (at least "
+            f"{need / GIB:,.1f} GiB estimated): {first}; lower --d-model, --layers, --seq-len "
+            "or --batch"
         )
         return 2
 
 
-def _run(args: argparse.Namespace, configs: dict[str, ModelConfig], log) -> int:
-
+def build_candidates(args: argparse.Namespace, configs: dict[str, ModelConfig], log):
+    """Every model the run times, ours first (see :mod:`diffattn.bench.models`)."""
     device, dtype = args.device, DTYPES[args.dtype]
-    candidates = _our_candidates(configs, device, dtype, args.seq_len)
+    candidates = our_candidates(configs, device, dtype, compiled=args.compile)
     if not args.no_hf:
-        hf = _hf_candidates(configs, device, dtype, args.seq_len)
+        hf = hf_candidates(configs, device, dtype)
         if not hf:
             log("transformers is not importable: HF rows skipped")
         candidates += hf
+        if args.dex:
+            candidates += dex_candidates(next(c for c in hf if c.name == "hf_llama"))
+    return candidates
+
+
+def _ids(args: argparse.Namespace, length: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, args.vocab, (args.batch, length), generator=generator)
+    return ids.to(args.device)
+
+
+def _run(args: argparse.Namespace, configs: dict[str, ModelConfig], log) -> int:
+    candidates = build_candidates(args, configs, log)
     for c in candidates:
         log(f"{c.name:<13} {c.params:>12,} parameters, attention kernel {c.kernel}")
-
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=generator)
-    ids = ids.to(device)
     records = []
-    for mode in MODES:
-        times = time_interleaved(candidates, ids, mode, args.steps, args.warmup, device, log)
-        log(f"[{mode}] peak memory, one step per model")
-        peaks = {
-            c.name: peak_step_bytes(lambda c=c, m=mode: _step(c, ids, m), device)
-            for c in candidates
-        }
-        records += _records(candidates, mode, times, peaks, args)
+    for n in lengths_of(args):
+        for mode in modes_of(args):
+            length = prompt_len_of(args, n) if mode == "decode" else n
+            ids = _ids(args, length)
+            times = time_interleaved(
+                candidates, ids, mode, args.steps, args.warmup, args.device, log, args.new_tokens
+            )
+            mem_n = length if mode == "decode" else (args.mem_seq_len or n)
+            log(f"[{mode} N={length}] peak memory at N={mem_n}, one run per model")
+            mem_ids = ids if mem_n == length else _ids(args, mem_n)
+            peaks = peak_bytes(candidates, mem_ids, mode, args.device, args.new_tokens)
+            records += _records(candidates, mode, length, times, peaks, args, mem_n)
+    if args.plot is not None:
+        from diffattn.bench.plot import plot_sweep
 
+        log(f"wrote {plot_sweep(records, args.plot)}")
     if args.json:
         print(json.dumps(records, indent=1))
     else:

@@ -1,0 +1,264 @@
+"""The models ``diffattn bench`` times and how each one is called.
+
+Ours (baseline, DIFF V1, DIFF V2) are built at matched parameters (see
+:mod:`diffattn.bench.throughput`); with ``transformers`` importable, HF ``LlamaForCausalLM`` and
+``DiffLlamaForCausalLM`` join them at the same size, and with ``--dex`` two copies of that HF
+Llama with Dex on half of every layer's heads (Dex §3.2 adapts the top half): one with the
+adapter hooks in place (``dex_unmerged``) and one with Dex folded into W_O (``dex_merged``, a
+plain Llama again, Dex App. E). HF rows take their ratios against HF Llama, so every ratio pits
+a model against the baseline of its own code base.
+
+Every :class:`Candidate` has three ways of being run: ``call(ids, labels)`` (a forward, with a
+loss when labels are given) and ``decode(prompt, new_tokens)``, which runs the prompt into a
+fresh KV cache (untimed) and returns the timed part: ``new_tokens`` greedy steps of one token.
+Our models decode with a :class:`~diffattn.cache.StaticCache` through
+:func:`~diffattn.generation.decode_step` (optionally ``torch.compile``\\d with
+``fullgraph=True``); HF models with their own default cache.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diffattn.attention.kernels import resolve_backend
+from diffattn.bench.flops import (
+    V1Form,
+    decode_flops_per_token,
+    flops_per_token,
+    v1_form_for_kernel,
+)
+from diffattn.cache import DynamicCache, StaticCache
+from diffattn.config import ModelConfig
+from diffattn.generation import decode_step
+from diffattn.model import DiffTransformerLM
+
+DEX_ROWS = ("dex_unmerged", "dex_merged")
+
+
+@dataclass
+class Candidate:
+    """One model under test and how to call it."""
+
+    name: str
+    model: torch.nn.Module
+    params: int
+    kernel: str
+    """Attention kernel actually used: a resolved diffattn backend or HF attn_implementation."""
+    reference: str
+    """The row this one's ratios are taken against."""
+    call: Callable[..., Any]
+    """``call(ids, labels)`` -> an output with ``.loss`` (``labels`` may be ``None``)."""
+    decode: Callable[[torch.Tensor, int], Callable[[], None]]
+    """``decode(prompt, new_tokens)``: prefill a fresh cache, return the timed decode loop."""
+    config: ModelConfig
+    """The diffattn config whose FLOPs this model has (for HF rows, the config it mirrors)."""
+    extra_flops: float = 0.0
+    """Forward FLOPs per token on top of ``config``'s (Dex's W_D products)."""
+    cache: str = "static"
+    """The KV cache ``decode`` uses: ``static`` or ``dynamic``."""
+    v1_form: V1Form = "qk_once"
+    """How the kernel computes DIFF V1 (:func:`~diffattn.bench.flops.v1_form_for_kernel`)."""
+
+    def flops_per_token(
+        self, mode: str, seq_len: int, new_tokens: int = 1, as_computed: bool = False
+    ) -> float:
+        """FLOPs per token of ``mode`` (backward = 2× forward; ``seq_len`` is the prompt length
+        in ``decode``). Model FLOPs count DIFF V1 with QK once; ``as_computed`` counts it the way
+        this row's kernel computes it (the FLOP bound's numbers)."""
+        form = self.v1_form if as_computed else "qk_once"
+        if mode == "decode":
+            flops = decode_flops_per_token(self.config, seq_len, new_tokens, form)
+            return flops + self.extra_flops
+        forward = flops_per_token(self.config, seq_len, form).forward + self.extra_flops
+        return 3.0 * forward if mode == "fwd+bwd" else forward
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1].argmax(dim=-1, keepdim=True)
+
+
+def our_decode(model: DiffTransformerLM, cache_kind: str, compiled: bool):
+    """The ``decode`` of one of our models (see the module docstring)."""
+    step = torch.compile(decode_step, fullgraph=True) if compiled else decode_step
+
+    @torch.no_grad()
+    def prepare(prompt: torch.Tensor, new_tokens: int) -> Callable[[], None]:
+        model.eval()
+        bsz, length = prompt.shape
+        weight = model.embed_tokens.weight
+        if cache_kind == "dynamic":
+            cache = DynamicCache()
+            token = _greedy(model(prompt, past_key_values=cache).logits)
+
+            @torch.no_grad()
+            def run_dynamic() -> None:
+                nonlocal token
+                for _ in range(new_tokens):
+                    token = _greedy(model(token, past_key_values=cache).logits)
+
+            return run_dynamic
+        cache = StaticCache(
+            model.config, bsz, length + new_tokens, device=weight.device, dtype=weight.dtype
+        )
+        slots = torch.arange(length, device=weight.device)
+        token = decode_step(model, cache, prompt, None, slots).argmax(-1, keepdim=True)
+
+        @torch.no_grad()
+        def run_static() -> None:
+            nonlocal token
+            for i in range(new_tokens):
+                slot = torch.arange(length + i, length + i + 1, device=weight.device)
+                token = step(model, cache, token, None, slot).argmax(-1, keepdim=True)
+
+        return run_static
+
+    return prepare
+
+
+def hf_decode(model: torch.nn.Module):
+    """The ``decode`` of a Hugging Face model, with the cache it makes by default."""
+
+    @torch.no_grad()
+    def prepare(prompt: torch.Tensor, new_tokens: int) -> Callable[[], None]:
+        model.eval()
+        out = model(input_ids=prompt, use_cache=True)
+        state = {"past": out.past_key_values, "token": _greedy(out.logits)}
+
+        @torch.no_grad()
+        def run() -> None:
+            for _ in range(new_tokens):
+                out = model(input_ids=state["token"], past_key_values=state["past"], use_cache=True)
+                state["past"], state["token"] = out.past_key_values, _greedy(out.logits)
+
+        return run
+
+    return prepare
+
+
+def our_candidates(
+    configs: dict[str, ModelConfig], device, dtype, compiled: bool = False
+) -> list[Candidate]:
+    """Baseline, DIFF V1 and DIFF V2 on the backend of ``configs``."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    out = []
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        model = DiffTransformerLM(config).to(device=device, dtype=dtype)
+        kernel = resolve_backend(config.backend, probe)
+        cache = "dynamic" if kernel == "flash" else "static"  # flash aligns causal to the end
+        out.append(
+            Candidate(
+                name=name,
+                model=model,
+                params=model.num_parameters(),
+                kernel=kernel,
+                reference="baseline",
+                call=lambda ids, labels, m=model: m(ids, labels=labels),
+                decode=our_decode(model, cache, compiled),
+                config=config,
+                cache=cache,
+                v1_form=v1_form_for_kernel(kernel),
+            )
+        )
+    return out
+
+
+def hf_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _hf_candidate(name, model, config, extra_flops=0.0) -> Candidate:
+    return Candidate(
+        name=name,
+        model=model,
+        params=sum(p.numel() for p in model.parameters()),
+        kernel=model.config._attn_implementation,
+        reference="hf_llama",
+        call=lambda ids, labels, m=model: m(input_ids=ids, labels=labels, use_cache=False),
+        decode=hf_decode(model),
+        config=config,
+        extra_flops=extra_flops,
+        cache="dynamic",
+        v1_form="two_call",
+    )
+
+
+def hf_candidates(configs: dict[str, ModelConfig], device, dtype) -> list[Candidate]:
+    """HF Llama and DiffLlama at the size of ``configs``; empty without ``transformers``.
+
+    HF DiffLlama counts heads like our config (``num_attention_heads`` query heads of width
+    ``head_dim``, paired h / h+H/2; V has ``num_key_value_heads`` heads of width d), so the
+    same numbers give our DIFF V1's shapes. It has no head-norm weight, 2d per layer fewer
+    parameters. Its attention runs two SDPA calls, each over all query half-heads against one
+    d-wide half of V, so QKᵀ is computed twice (the split-V two-call form of the FLOP count).
+    """
+    if not hf_available():
+        return []
+    from transformers import DiffLlamaForCausalLM, LlamaForCausalLM
+
+    from diffattn.convert.diffllama import diffattn_config_to_diffllama
+    from diffattn.convert.llama import diffattn_config_to_llama
+
+    base = configs["baseline"]
+    specs = (
+        ("hf_llama", diffattn_config_to_llama(base), LlamaForCausalLM, "baseline"),
+        (
+            "hf_diffllama",
+            diffattn_config_to_diffllama(configs["diff_v1"]),
+            DiffLlamaForCausalLM,
+            "diff_v1",
+        ),
+    )
+    out = []
+    for name, hf_config, model_cls, ours in specs:
+        torch.manual_seed(0)
+        impl = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
+        model = model_cls._from_config(hf_config, attn_implementation=impl)
+        model = model.to(device=device, dtype=dtype)
+        out.append(_hf_candidate(name, model, configs[ours]))
+    return out
+
+
+def dex_flops_per_token(config: ModelConfig, adapted_heads: int) -> float:
+    """Forward FLOPs per token Dex adds: ``O_h W_D,h`` (d × d) for every adapted head."""
+    return 2.0 * config.dim_per_head**2 * adapted_heads
+
+
+def dex_candidates(hf_llama: Candidate) -> list[Candidate]:
+    """HF Llama with Dex on the first half of every layer's heads, unmerged and merged.
+
+    λ_learn starts at 0.5 with no annealing (λ = λ_learn), so the adapter changes the outputs
+    and the merged model carries a real fold; nothing is frozen, so ``fwd+bwd`` computes the
+    same weight gradients as the base model plus Dex's.
+    """
+    from diffattn.dex.adapter import apply
+    from diffattn.dex.merge import merge
+    from diffattn.dex.sites import find_attention
+
+    config = hf_llama.config
+    sites = find_attention(hf_llama.model)
+    heads = {site.index: list(range(site.n_heads // 2)) for site in sites}
+    adapted = sum(len(h) for h in heads.values())
+    torch.manual_seed(0)
+    unmerged = apply(
+        copy.deepcopy(hf_llama.model),
+        heads,
+        anneal_steps=0,
+        lambda_learn_init=0.5,
+        freeze=False,
+    )
+    merged = merge(copy.deepcopy(unmerged))
+    extra = dex_flops_per_token(config, adapted)
+    return [
+        _hf_candidate("dex_unmerged", unmerged, config, extra_flops=extra),
+        _hf_candidate("dex_merged", merged, config),
+    ]

@@ -1,0 +1,57 @@
+"""``diffattn bench --plot``: tokens/s against sequence length, one panel per mode.
+
+The analogue of Dex Fig 12 (throughput of base Llama, Diff Transformer and Dex against context
+length): every row of the run is a line (ours solid, Hugging Face ones dashed), the x axis is
+the sequence length (the prompt length in decode) on a log₂ scale, and each point is the
+median tokens/s of that length's interleaved run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from diffattn.bench.models import DEX_ROWS
+
+OURS = ("baseline", "diff_v1", "diff_v2")
+TITLES = {"fwd": "forward", "fwd+bwd": "forward + backward", "decode": "decode"}
+
+
+def plot_sweep(records: list[dict[str, Any]], path: Path) -> Path:
+    """Write the PNG of ``records`` (from one ``diffattn bench`` run) to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not records:
+        raise ValueError("no records to plot")
+    modes = [m for m in TITLES if any(r["mode"] == m for r in records)]
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
+    first = records[0]
+    for ax, mode in zip(axes[0], modes, strict=True):
+        rows = [r for r in records if r["mode"] == mode]
+        names = list(dict.fromkeys(r["attention"] for r in rows))
+        for name in names:
+            points = sorted(
+                (r["seq_len"], r["tokens_per_s"]) for r in rows if r["attention"] == name
+            )
+            style = "-" if name in OURS else ":" if name in DEX_ROWS else "--"
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, style, marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        lengths = sorted({r["seq_len"] for r in rows})
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_xlabel("prompt length" if mode == "decode" else "sequence length N")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(TITLES[mode])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"d_model {first['d_model']}, {first['layers']} layers, {first['device_name']} "
+        f"({first['threads']} threads), {first['dtype']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
