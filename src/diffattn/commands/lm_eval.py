@@ -39,14 +39,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def harness_argv(arguments: Sequence[str]) -> list[str]:
-    """The harness's command line: ``run`` unless another subcommand is named, and
-    ``--model diffattn`` unless a model is named."""
+    """The harness's command line: ``run`` unless another subcommand is named,
+    ``--model diffattn`` unless a model is named and ``--device auto`` (CUDA when available,
+    else the CPU; the harness's own default is ``cuda:0``) unless a device is named."""
     argv = list(arguments)
     if not argv or argv[0] not in SUBCOMMANDS:
         argv.insert(0, "run")
-    named = any(a == "--model" or a.startswith("--model=") for a in argv)
-    if argv[0] == "run" and not named and not {"-h", "--help"} & set(argv):
+    if argv[0] != "run" or {"-h", "--help"} & set(argv):
+        return argv
+
+    def named(option: str) -> bool:
+        return any(a == option or a.startswith(f"{option}=") for a in argv)
+
+    if not named("--model"):
         argv[1:1] = ["--model", "diffattn"]
+    if not named("--device"):
+        argv[1:1] = ["--device", "auto"]
     return argv
 
 

@@ -10,7 +10,8 @@ loaded by :func:`diffattn.eval.common.load_models`, so ``--model_args`` take wha
 * ``pretrained=MODEL``: a diffattn directory, a Hugging Face Llama/Qwen2/Mistral/DiffLlama
   directory, a ``.gguf`` file or ``smollm2``, a Dex adapter or run directory, a hub id;
 * ``dex=ADAPTER``: a Dex adapter applied to ``MODEL`` first;
-* ``dtype=fp32|bf16|fp16`` (default fp32), ``device=cpu|cuda|auto``, ``max_length=N``
+* ``dtype=fp32|bf16|fp16`` (default fp32), ``device=cpu|cuda|auto`` (the harness's
+  ``--device``; default auto: CUDA when available), ``max_length=N``
   (default: the model's context length), and the harness's other ``HFLM`` arguments
   (``batch_size``, ``add_bos_token``, ...).
 
@@ -62,7 +63,7 @@ class DiffattnLM(HFLM):
         pretrained: str,
         dex: str | None = None,
         dtype: str = "fp32",
-        device: str | None = "cpu",
+        device: str | None = "auto",
         max_length: int | None = None,
         **kwargs: Any,
     ) -> None:
@@ -70,7 +71,7 @@ class DiffattnLM(HFLM):
             raise ValueError("pretrained= must name a model (a path, smollm2 or a hub id)")
         kwargs.pop("backend", None)
         dtype = HARNESS_DTYPES.get(str(dtype), str(dtype))
-        loaded = load_models([pretrained], dex=dex, device=device or "cpu", dtype=dtype)[0]
+        loaded = load_models([pretrained], dex=dex, device=device or "auto", dtype=dtype)[0]
         if loaded.tokenizer is None or not hasattr(
             loaded.tokenizer.backend, "convert_ids_to_tokens"
         ):
