@@ -11,6 +11,7 @@ pytest.importorskip("tokenizers")
 
 from diffattn.cli import main
 from diffattn.compare import CompareOptions, default_recipe, plan_configs, run_compare
+from diffattn.compare.evaluate import EvalSettings
 
 TEXT = (
     "def add(a, b):\n    return a + b\n\n"
@@ -48,7 +49,9 @@ def small_options(tmp_path, corpus, **changes) -> CompareOptions:
         "checkpoint_every=6",
         "device=cpu",
     ]
-    options = CompareOptions(out=tmp_path / "out", overrides=overrides, steps=6, progress=False)
+    options = CompareOptions(
+        out=tmp_path / "out", overrides=overrides, steps=6, seeds=1, progress=False, evaluate=False
+    )
     for key, value in changes.items():
         setattr(options, key, value)
     return options
@@ -76,7 +79,7 @@ def test_compare_writes_report_plots_and_reuses_finished_runs(tmp_path, corpus):
         assert name in report
     for png in ("loss_curves.png", "lambda.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    data = json.loads((out / "report.json").read_text())
+    data = json.loads((out / "results.json").read_text())
     rows = {row["attention"]: row for row in data["rows"]}
     assert set(rows) == {"baseline", "diff_v1", "diff_v2"}
     assert len({row["tokens"] for row in rows.values()}) == 1  # same tokens for every model
@@ -127,3 +130,79 @@ def test_bad_settings_fail_before_any_file_is_written(tmp_path, corpus, capsys):
     assert main(["compare", "--out", str(out), "--preset", "huge"]) == 2
     assert "huge" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_scaled_down_compare_measures_and_judges_every_model(tmp_path, one_thread):
+    """The whole main job end to end, scaled down: the synthetic retrieval mix, two seeds,
+    every measurement on every model, the claims table, plots, results.json, and a re-run that
+    reuses the finished measurements."""
+    overrides = [
+        'data.sources=["synthetic:recall?docs=300&pairs=4&queries=3",'
+        '"synthetic:needle?docs=200&needles=2&words=20"]',
+        "data.tokenizer=bpe:400",
+        "data.valid_fraction=0.1",
+        "data.max_bytes=null",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "model.vocab_size=400",
+        "model.d_model=32",
+        "model.n_heads=4",
+        "model.n_layers=2",
+        "global_batch_size=4",
+        "micro_batch_size=4",
+        "seq_len=96",
+        "schedule.warmup_steps=1",
+        "log_every=1",
+        "eval_every=2",
+        "eval_batches=1",
+        "checkpoint_every=2",
+        "device=cpu",
+    ]
+    settings = EvalSettings(
+        needle_cells=((1, 1), (2, 2)), needle_depths=(0.0, 100.0), needle_samples=2,
+        max_tokens=600, batch_size=8,
+    )  # fmt: skip
+    options = CompareOptions(
+        out=tmp_path / "out", overrides=overrides, steps=2, seeds=2, progress=False,
+        eval_settings=settings,
+    )  # fmt: skip
+    result = run_compare(options)
+    out = tmp_path / "out"
+    for run in result.runs:
+        e = run.evals
+        assert 0 <= e["needle_1_1"] <= 1 and 0 <= e["needle_2_2"] <= 1
+        assert e["needle_acc"] == pytest.approx((e["needle_1_1"] + e["needle_2_2"]) / 2)
+        assert 0 < e["answer_share"] < 1 and 0 < e["noise_share"] < 1
+        assert e["logit_top1"] >= e["logit_median"] > 0
+        assert e["hidden_top1"] >= e["hidden_median"] > 0
+        for bits in (8, 6, 4):
+            assert e[f"quant_gap_{bits}"] == pytest.approx(e[f"quant_loss_{bits}"] - e["val_loss"])
+        assert e["ar_hit"] > 0 and e["others"] > 0 and e["counts"]["ar_hit"] > 0
+        assert (out / "runs" / f"{run.attention}-seed{run.seed}" / "eval.json").is_file()
+    # every model is measured on the same held-out windows
+    windows = {len(r.evals["window_loss"]) for r in result.runs}
+    assert len(windows) == 1
+
+    data = json.loads((out / "results.json").read_text())
+    claims = data["claims"]
+    assert {c["model"] for c in claims} == {"diff_v1", "diff_v2"}
+    assert {c["key"] for c in claims} >= {"val_loss", "ar_hit", "needle_acc", "noise_share"}
+    for c in claims:
+        assert len(c["differences"]) == 2
+        assert c["verdict"] in ("supported", "not supported", "inconclusive")
+    loss_claim = next(c for c in claims if c["key"] == "val_loss" and c["model"] == "diff_v1")
+    by = {(r.attention, r.seed): r.evals["val_loss"] for r in result.runs}
+    assert loss_claim["differences"] == pytest.approx(
+        [by[("diff_v1", s)] - by[("baseline", s)] for s in (0, 1)]
+    )
+    report = (out / "report.md").read_text()
+    assert "| claim | source | model | prediction |" in report
+    assert "Verdict rule" in report and "validation set large enough" in report
+    for png in ("loss_curves.png", "lambda.png", "evals.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert png in report
+
+    # A re-run reuses the trained models and their measurements.
+    cached = (out / "runs" / "diff_v2-seed1" / "eval.json").read_text()
+    again = run_compare(options)
+    assert (out / "runs" / "diff_v2-seed1" / "eval.json").read_text() == cached
+    assert [r.evals["val_loss"] for r in again.runs] == [r.evals["val_loss"] for r in result.runs]

@@ -27,6 +27,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from diffattn.compare.evaluate import EvalSettings
 from diffattn.compare.report import RunSummary, summarise_run, write_report
 
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
@@ -50,6 +51,9 @@ class CompareOptions:
     device: str | None = None
     overwrite: bool = False
     progress: bool = True
+    evaluate: bool = True
+    """Measure every trained model (:mod:`diffattn.compare.evaluate`) and judge the claims."""
+    eval_settings: EvalSettings = field(default_factory=EvalSettings)
 
 
 @dataclass
@@ -151,6 +155,7 @@ def _prepare_out_dir(out: Path, plan: str, overwrite: bool) -> None:
 
 def run_compare(options: CompareOptions) -> CompareResult:
     """Train every (attention, seed) run of the plan on the same data and write the report."""
+    from diffattn.compare.evaluate import eval_device, evaluate_checkpoint, held_out_documents
     from diffattn.data import prepare_data
     from diffattn.train import train
     from diffattn.train.checkpoint import latest_checkpoint
@@ -164,6 +169,9 @@ def run_compare(options: CompareOptions) -> CompareResult:
     say(f"diffattn compare: preparing data ({', '.join(base.data_config().sources)})")
     prepared = prepare_data(base.data_config(), progress=options.progress)
 
+    held_out = None
+    if options.evaluate:
+        held_out = held_out_documents(base.data_config(), base.seq_len, options.eval_settings.seed)
     summaries: list[RunSummary] = []
     for index, ((attention, seed), config) in enumerate(configs.items(), start=1):
         run_dir = out / "runs" / f"{attention}-seed{seed}"
@@ -172,7 +180,17 @@ def run_compare(options: CompareOptions) -> CompareResult:
         result = train(config, run_dir, resume=resume, progress=options.progress, data=prepared)
         if result.stopped is not None:
             raise KeyboardInterrupt(f"{attention} seed {seed} stopped by {result.stopped}")
-        summaries.append(summarise_run(attention, seed, config, run_dir, result))
+        summary = summarise_run(attention, seed, config, run_dir, result)
+        if held_out is not None:
+            say(f"evaluating {attention}, seed {seed}")
+            summary.evals = evaluate_checkpoint(
+                latest_checkpoint(run_dir / "checkpoints"),
+                run_dir,
+                options.eval_settings,
+                held_out,
+                device=eval_device(config),
+            )
+        summaries.append(summary)
 
     report, plots = write_report(out, base, summaries, prepared, time.perf_counter() - started)
     return CompareResult(out_dir=out, runs=summaries, report=report, plots=plots)

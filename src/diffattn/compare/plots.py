@@ -1,4 +1,5 @@
-"""PNG plots of a comparison: loss curves and λ per layer over steps (matplotlib, Agg)."""
+"""PNG plots of a comparison: loss curves, λ per layer over steps and the measurements
+(matplotlib, Agg)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,55 @@ def plot_lambda(out: Path, runs: list[Any]) -> Path | None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     path = out / "lambda.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+EVAL_PANELS = (
+    ("needle accuracy (Tab 2)", ("needle_1_1", "needle_2_2", "needle_4_2", "needle_6_2"),
+     ("1,1", "2,2", "4,2", "6,2")),
+    ("attention share (Tab 3)", ("answer_share", "noise_share"), ("answer", "noise")),
+    ("loss added by b-bit logits (Fig 8)", ("quant_gap_8", "quant_gap_6", "quant_gap_4"),
+     ("8", "6", "4")),
+)  # fmt: skip
+
+
+def plot_evals(out: Path, per_seed: dict[str, list[dict[str, Any]]]) -> Path | None:
+    """``evals.png``: needle accuracy per (N, R), attention shares and the loss added by
+    quantized logits; bars are means over seeds, whiskers the sd, dots single seeds."""
+    plt = _pyplot()
+    if plt is None or not per_seed:
+        return None
+    import statistics
+
+    fig, axes = plt.subplots(1, len(EVAL_PANELS), figsize=(15, 4), constrained_layout=True)
+    width = 0.8 / len(per_seed)
+    for ax, (title, keys, labels) in zip(axes, EVAL_PANELS, strict=True):
+        for m, (attention, evals) in enumerate(per_seed.items()):
+            for k, key in enumerate(keys):
+                values = [float(e[key]) for e in evals if e.get(key) is not None]
+                if not values:
+                    continue
+                x = k + (m - (len(per_seed) - 1) / 2) * width
+                sd = statistics.stdev(values) if len(values) > 1 else 0.0
+                ax.bar(
+                    x,
+                    statistics.fmean(values),
+                    width,
+                    yerr=sd,
+                    color=COLOURS.get(attention),
+                    label=NAMES.get(attention, attention) if k == 0 else None,
+                    capsize=2,
+                )
+                ax.scatter([x] * len(values), values, color="black", s=6, zorder=3)
+        ax.set_xticks(range(len(keys)), labels)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_xlabel("(N needles, R asked)")
+    axes[2].set_xlabel("bits")
+    axes[0].legend(fontsize="small")
+    path = out / "evals.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -1,7 +1,8 @@
 """The comparison report: one row per attention type, with the spread over seeds.
 
-``report.json`` holds everything (settings, every run, the curves); ``report.md`` shows the
-table, the settings, the λ summaries and the plots; the same table is printed at the end.
+``results.json`` holds everything (settings, every run with its curves and measurements, the
+claims with their verdicts); ``report.md`` shows the claims table, the measurements, the
+validation-noise check, the training table and the plots; the tables are printed at the end.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class RunSummary:
     val_curve: list[tuple[int, float]] = field(default_factory=list)
     lambda_curve: list[tuple[int, list[float]]] = field(default_factory=list)
     """(step, per-layer λ): DIFF V1's λ (Eq.2), DIFF V2's mean λ; empty for the baseline."""
+    evals: dict[str, Any] = field(default_factory=dict)
+    """The measurements of :mod:`diffattn.compare.evaluate` (empty when not evaluated)."""
 
 
 def summarise_run(attention: str, seed: int, config: Any, run_dir: Path, result: Any) -> RunSummary:
@@ -133,18 +136,161 @@ def text_table(rows: list[dict[str, Any]]) -> str:
     )
 
 
+MEASUREMENTS: tuple[tuple[str, str, str], ...] = (
+    ("val_loss", "val loss", ".4f"),
+    ("ar_hit", "AR-Hit", ".4f"),
+    ("others", "Others", ".4f"),
+    ("needle_acc", "needle (mean)", ".3f"),
+    ("needle_1_1", "needle N=1 R=1", ".3f"),
+    ("needle_2_2", "needle N=2 R=2", ".3f"),
+    ("needle_4_2", "needle N=4 R=2", ".3f"),
+    ("needle_6_2", "needle N=6 R=2", ".3f"),
+    ("answer_share", "attention to answer", ".3f"),
+    ("noise_share", "attention noise", ".3f"),
+    ("logit_top1", "top-1 abs logit", ".2f"),
+    ("logit_median", "median abs logit", ".3f"),
+    ("hidden_top1", "top-1 abs hidden", ".2f"),
+    ("hidden_median", "median abs hidden", ".3f"),
+    ("quant_loss_8", "loss, 8-bit logits", ".4f"),
+    ("quant_loss_6", "loss, 6-bit logits", ".4f"),
+    ("quant_loss_4", "loss, 4-bit logits", ".4f"),
+)
+"""Rows of the measurement table: (key in the evals, label, format)."""
+
+
+def per_seed_evals(runs: list[RunSummary]) -> dict[str, list[dict[str, Any]]]:
+    """``{attention: [evals of seed 0, seed 1, ...]}`` over the evaluated runs."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for run in sorted(runs, key=lambda r: r.seed):
+        if run.evals:
+            out.setdefault(run.attention, []).append(run.evals)
+    return out
+
+
+def measurement_table(per_seed: dict[str, list[dict[str, Any]]]) -> str:
+    """Markdown: one row per measurement, one column per model (mean ± sd over seeds)."""
+    models = list(per_seed)
+    lines = [
+        "| measurement | " + " | ".join(NAMES.get(m, m) for m in models) + " |",
+        "|---|" + "---|" * len(models),
+    ]
+    for key, label, fmt in MEASUREMENTS:
+        cells = []
+        for model in models:
+            values = [float(e[key]) for e in per_seed[model] if e.get(key) is not None]
+            values = [v for v in values if not math.isnan(v)]
+            if not values:
+                cells.append("—")
+                continue
+            mean, std = _mean_std(values)
+            cells.append(f"{mean:{fmt}}" + (f" ± {std:{fmt}}" if len(values) > 1 else ""))
+        if any(c != "—" for c in cells):
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def validation_noise(per_seed: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per DIFF model: the held-out loss difference to the baseline, paired by window within
+    each seed (mean difference and its standard error over windows, averaged over seeds), next
+    to the spread of the difference over seeds."""
+    base = per_seed.get("baseline")
+    rows: list[dict[str, Any]] = []
+    if not base:
+        return rows
+    for model, evals in per_seed.items():
+        if model == "baseline" or len(evals) != len(base):
+            continue
+        window_diffs, window_sems, seed_diffs = [], [], []
+        for mine, ref in zip(evals, base, strict=True):
+            a, b = mine.get("window_loss") or [], ref.get("window_loss") or []
+            if len(a) != len(b) or len(a) < 2:
+                continue
+            d = [x - y for x, y in zip(a, b, strict=True)]
+            window_diffs.append(statistics.fmean(d))
+            window_sems.append(statistics.stdev(d) / math.sqrt(len(d)))
+            seed_diffs.append(mine["val_loss"] - ref["val_loss"])
+        if not window_diffs:
+            continue
+        rows.append(
+            {
+                "model": model,
+                "windows": len(evals[0].get("window_loss") or []),
+                "difference": statistics.fmean(seed_diffs),
+                "window_sem": statistics.fmean(window_sems),
+                "seed_sd": statistics.stdev(seed_diffs) if len(seed_diffs) > 1 else math.nan,
+            }
+        )
+    return rows
+
+
+def outcome_sentences(verdicts: list[Any]) -> list[str]:
+    """Plain sentences on the loss claim for each DIFF model (it says so when DIFF loses)."""
+    lines = []
+    for v in verdicts:
+        if v.claim.key != "val_loss":
+            continue
+        name = NAMES.get(v.model, v.model)
+        size = f"{abs(v.mean):.4f} nats ({v.measured()})"
+        if v.verdict == "supported":
+            lines.append(
+                f"- {name} reaches a lower validation loss than the Transformer, by {size}."
+            )
+        elif v.verdict == "not supported":
+            lines.append(
+                f"- {name} loses to the Transformer at this size: its validation loss is higher "
+                f"by {size}."
+            )
+        else:
+            lines.append(
+                f"- {name} and the Transformer cannot be told apart on validation loss at this "
+                f"size: the difference is {v.measured()}."
+            )
+    return lines
+
+
 def write_report(
-    out: Path, base: Any, runs: list[RunSummary], prepared: Any, elapsed_s: float
+    out: Path,
+    base: Any,
+    runs: list[RunSummary],
+    prepared: Any,
+    elapsed_s: float,
+    z: float = 2.0,
 ) -> tuple[Path, list[Path]]:
-    """Write ``report.json``, the plots and ``report.md``; print the table."""
-    from diffattn.compare.plots import plot_lambda, plot_losses
+    """Write ``results.json``, the plots and ``report.md``; print the tables."""
+    from diffattn.compare.claims import PAPER_CLAIMS, claims_table, evaluate_claims
+    from diffattn.compare.plots import plot_evals, plot_lambda, plot_losses
     from diffattn.train import dump_config
 
     rows = table_rows(runs)
-    plots = [p for p in (plot_losses(out, runs), plot_lambda(out, runs)) if p is not None]
+    per_seed = per_seed_evals(runs)
+    verdicts = []
+    if "baseline" in per_seed and len(per_seed) > 1:
+        verdicts = evaluate_claims(PAPER_CLAIMS, per_seed, z=z)
+    noise = validation_noise(per_seed)
+    plots = [
+        p
+        for p in (plot_losses(out, runs), plot_lambda(out, runs), plot_evals(out, per_seed))
+        if p is not None
+    ]
     stats = getattr(prepared, "stats", None)
     data = {
         "rows": rows,
+        "claims": [
+            {
+                "key": v.claim.key,
+                "claim": v.claim.statement,
+                "source": v.claim.source,
+                "model": v.model,
+                "prediction": v.claim.prediction,
+                "differences": list(v.differences),
+                "mean": v.mean,
+                "stderr": v.stderr,
+                "verdict": v.verdict,
+            }
+            for v in verdicts
+        ],
+        "verdict_rule": {"z": z, "pairing": "by seed", "min_seeds": 2},
+        "validation_noise": noise,
         "runs": [asdict(r) for r in runs],
         "elapsed_s": elapsed_s,
         "data": asdict(stats) if hasattr(stats, "__dataclass_fields__") else str(stats),
@@ -152,22 +298,64 @@ def write_report(
         "recipe": dump_config(base),
         "plots": [p.name for p in plots],
     }
-    (out / "report.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+    tmp.replace(out / "results.json")
 
     tokens_per_step = base.global_batch_size * base.seq_len
+    seeds = sorted({r.seed for r in runs})
     lines = [
         "# diffattn compare",
         "",
-        f"Same tokens, order and seed for every model; {base.steps} steps of "
+        f"Same tokens, order and seed for every model; {len(seeds)} seed(s) "
+        f"({', '.join(map(str, seeds))}); {base.steps} steps of "
         f"{base.global_batch_size} × {base.seq_len} = {tokens_per_step:,} tokens. "
-        f"Validation loss is the mean next-token loss on {base.eval_batches} held-out batches "
-        "(held out by document); train loss is the mean of the last 10% of logged steps. "
-        f"Total wall time {elapsed_s / 60:.1f} min.",
+        f"Data: {', '.join(base.data_config().sources)}. Total wall time "
+        f"{elapsed_s / 60:.1f} min.",
         "",
-        markdown_table(rows),
-        "",
-        "λ per layer: DIFF V1's λ of Eq.2 (shared by the heads of a layer) and DIFF V2's mean "
-        "token-wise λ = sigmoid(x·W_λ), at the last logged step.",
+    ]
+    if verdicts:
+        lines += ["## The papers' claims at this scale", ""]
+        lines += [*outcome_sentences(verdicts), ""]
+        lines += [claims_table(verdicts, z), ""]
+        if len(seeds) < 3:
+            lines += [
+                f"With {len(seeds)} seed(s) the spread is poorly known; every verdict is "
+                "inconclusive below 2 seeds. Use `--seeds 3` or more.",
+                "",
+            ]
+    if per_seed:
+        lines += ["## Measurements (mean ± sd over seeds)", "", measurement_table(per_seed), ""]
+        lines += [
+            "Held-out documents of the training mix; needles at the trained length on the "
+            "synthetic haystack; attention shares are the last prompt token's attention on the "
+            "answer needles and on the context outside every needle, divided by the row's total "
+            "(a differential map sums to 1 − λ); |logit| pools both maps of DIFF.",
+            "",
+        ]
+    if noise:
+        lines += ["## Is the validation set large enough?", ""]
+        lines += [
+            "| model | windows | loss − Transformer | window-level s.e. (paired) | sd over seeds |",
+            "|---|---|---|---|---|",
+        ]
+        for row in noise:
+            lines.append(
+                f"| {NAMES.get(row['model'], row['model'])} | {row['windows']} | "
+                f"{row['difference']:+.4f} | {row['window_sem']:.4f} | {row['seed_sd']:.4f} |"
+            )
+        lines += [
+            "",
+            "A difference smaller than twice its window-level standard error is within the "
+            "noise of the validation set; the sd over seeds is the noise of training.",
+            "",
+        ]
+    lines += ["## Training", "", markdown_table(rows), ""]
+    lines += [
+        "Validation loss here is the trainer's last evaluation "
+        f"({base.eval_batches} held-out batches); train loss is the mean of the last 10% of "
+        "logged steps. λ per layer: DIFF V1's λ of Eq.2 (shared by the heads of a layer) and "
+        "DIFF V2's mean token-wise λ = sigmoid(x·W_λ), at the last logged step.",
         "",
     ]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
@@ -178,5 +366,15 @@ def write_report(
     report = out / "report.md"
     report.write_text("\n".join(lines), encoding="utf-8")
     print("\n" + text_table(rows))
+    if verdicts:
+        print()
+        for v in verdicts:
+            print(f"{NAMES.get(v.model, v.model):8} {v.claim.key:13} {v.measured():28} {v.verdict}")
     print(f"\nreport: {report}" + "".join(f"\nplot:   {out / p.name}" for p in plots))
     return report, plots
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)

@@ -21,7 +21,8 @@ averaged over documents, for every p; plotted with a log-scaled position axis.
 
 Results per model (``results.json``): ``loss``, ``ar_hit``, ``others`` (mean NLL in nats),
 ``counts`` (tokens per slice, windows, documents), ``loss_sem`` (standard error of ``loss``
-over windows), ``cumulative_nll`` (one value per position).
+over windows), ``window_loss`` (mean NLL of each window, in window order: paired differences
+between models on the same windows), ``cumulative_nll`` (one value per position).
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def evaluate_model(
         "loss_sem": sem,
         "ar_hit": hit_sum / hit_n if hit_n else math.nan,
         "others": other_sum / other_n if other_n else math.nan,
+        "window_loss": per_window,
         "counts": {
             "ar_hit": hit_n,
             "others": other_n,

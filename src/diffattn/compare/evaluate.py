@@ -1,0 +1,219 @@
+"""The measurements ``diffattn compare`` takes of every trained model (the ``diffattn eval``
+experiments, run in-process on the run's final checkpoint).
+
+On held-out documents of the training mix (the trainer's document-level split, shuffled with a
+fixed seed so every source is represented; one window per document chunk):
+
+* ``val_loss``, ``ar_hit``, ``others``: mean next-token NLL, and its AR-Hit / Others slices
+  (DIFF V1 Table 6; :mod:`diffattn.eval.loss`), with ``window_loss`` kept for paired
+  standard errors between models;
+* ``logit_top1``/``logit_median`` and ``hidden_top1``/``hidden_median``: the largest and the
+  median |attention logit| and |hidden state| (Table 5; :mod:`diffattn.eval.outliers`);
+* ``quant_loss_<b>``: the loss with attention logits quantized to b bits by dynamic absmax
+  (Fig 8), and ``quant_gap_<b>`` = quant_loss_b − val_loss.
+
+On needle prompts at the trained length (:mod:`diffattn.eval.needle`; the synthetic haystack,
+answer needles at several depths):
+
+* ``needle_<N>_<R>``: accuracy for N needles, R of them asked (Table 2), and ``needle_acc``
+  their mean;
+* ``answer_share`` / ``noise_share``: the share of the last prompt token's attention that falls
+  on the answer needles / on the context outside every needle, mean over layers, heads, depths
+  and cells (Table 3). Shares are the raw masses divided by the row's total mass, because a
+  differential map sums to 1 − λ rather than 1: raw masses would make DIFF's noise look lower
+  and its answer attention lower by that factor alone.
+
+Results are cached per run in ``eval.json`` with a fingerprint of the checkpoint and the
+settings, so a re-run reuses them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+EVAL_NAME = "eval.json"
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What is measured; part of every cached result's fingerprint."""
+
+    needle_cells: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (4, 2), (6, 2))
+    """(N, R) pairs: N needles, R asked (DIFF V1 Table 2)."""
+    needle_depths: tuple[float, ...] = (0.0, 50.0, 100.0)
+    needle_samples: int = 12
+    """Samples per (depth, cell)."""
+    max_tokens: int = 40_000
+    """Token budget of the held-out windows for loss, outliers and quantization."""
+    bits: tuple[int, ...] = (8, 6, 4)
+    batch_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.needle_cells or any(not 1 <= r <= n for n, r in self.needle_cells):
+            raise ValueError(f"needle cells must be (N, R) with 1 <= R <= N: {self.needle_cells}")
+        if self.needle_samples < 1 or self.max_tokens < 2 or self.batch_size < 1:
+            raise ValueError("needle_samples, batch_size >= 1 and max_tokens >= 2 are required")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> EvalSettings:
+        data = dict(data or {})
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"eval: unknown setting(s) {sorted(unknown)}")
+        if "needle_cells" in data:
+            data["needle_cells"] = tuple(tuple(int(x) for x in c) for c in data["needle_cells"])
+        for key in ("needle_depths", "bits"):
+            if key in data:
+                data[key] = tuple(data[key])
+        return cls(**data)
+
+
+@dataclass
+class HeldOut:
+    """The held-out documents every model of a comparison is measured on."""
+
+    documents: list[str]
+    seq_len: int
+    fingerprint: str = ""
+
+
+def held_out_documents(data: Any, seq_len: int, seed: int = 0) -> HeldOut:
+    """The trainer's validation documents of the :class:`~diffattn.data.DataConfig`
+    ``data`` (same sources, byte cap and split), shuffled with ``seed``."""
+    from diffattn.data import is_validation_document, iter_documents
+    from diffattn.eval.common import fingerprint
+
+    docs = [
+        d
+        for d in iter_documents(
+            data.sources,
+            text_field=data.text_field,
+            split=data.document_split,
+            max_bytes=data.max_bytes,
+        )
+        if is_validation_document(d, seed=data.seed, valid_fraction=data.valid_fraction)
+    ]
+    if not docs:
+        raise ValueError(
+            f"no held-out documents in {list(data.sources)}; raise data.valid_fraction"
+        )
+    random.Random(seed).shuffle(docs)
+    return HeldOut(docs, seq_len, fingerprint(docs))
+
+
+def _needle(model: Any, settings: EvalSettings, seq_len: int) -> dict[str, Any]:
+    from diffattn.eval import needle
+
+    out: dict[str, Any] = {"cells": {}}
+    accuracies, answer, noise = [], [], []
+    for n, r in settings.needle_cells:
+        max_new = 10 * r + 2
+        result = needle.run(
+            [model],
+            needles=n,
+            queries=r,
+            lengths=[seq_len - max_new],
+            depths=settings.needle_depths,
+            samples=settings.needle_samples,
+            seed=settings.seed,
+            batch_size=settings.batch_size,
+            max_new_tokens=max_new,
+        )["models"][model.name]
+        shares = [
+            (s["answer_mass"] / s["total_mass"], s["noise_mass"] / s["total_mass"])
+            for cell in result["cells"]
+            for s in cell["per_sample_attention"]
+            if s["total_mass"]
+        ]
+        cell = {
+            "accuracy": result["accuracy"],
+            "answer_share": _mean([a for a, _ in shares]),
+            "noise_share": _mean([z for _, z in shares]),
+            "by_depth": {str(c["depth"]): c["accuracy"] for c in result["cells"]},
+        }
+        out["cells"][f"{n}_{r}"] = cell
+        out[f"needle_{n}_{r}"] = cell["accuracy"]
+        accuracies.append(cell["accuracy"])
+        answer.append(cell["answer_share"])
+        noise.append(cell["noise_share"])
+    out["needle_acc"] = _mean(accuracies)
+    out["answer_share"] = _mean(answer)
+    out["noise_share"] = _mean(noise)
+    return out
+
+
+def _text(model: Any, settings: EvalSettings, held_out: HeldOut) -> dict[str, Any]:
+    from diffattn.eval import loss, outliers
+    from diffattn.eval.text import model_windows
+
+    result = loss.evaluate_model(
+        model, held_out.documents, held_out.seq_len, settings.max_tokens, 2, settings.batch_size
+    )
+    pieces = model_windows(model, held_out.documents, held_out.seq_len, settings.max_tokens)
+    stats = outliers.outlier_stats(model, pieces, settings.batch_size)
+    out: dict[str, Any] = {
+        "val_loss": result["loss"],
+        "val_loss_sem": result["loss_sem"],
+        "ar_hit": result["ar_hit"],
+        "others": result["others"],
+        "window_loss": result["window_loss"],
+        "counts": result["counts"],
+        "logit_top1": stats["logits"]["top1"],
+        "logit_median": stats["logits"]["median"],
+        "hidden_top1": stats["hidden"]["top1"],
+        "hidden_median": stats["hidden"]["median"],
+    }
+    for bits in settings.bits:
+        quantized = outliers.quantized_loss(model, pieces, bits, settings.batch_size)
+        out[f"quant_loss_{bits}"] = quantized
+        out[f"quant_gap_{bits}"] = quantized - result["loss"]
+    return out
+
+
+def evaluate_checkpoint(
+    checkpoint: Path,
+    run_dir: Path,
+    settings: EvalSettings,
+    held_out: HeldOut,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """Every measurement of one trained model; cached in ``run_dir/eval.json``."""
+    from diffattn.eval.common import fingerprint, load_models
+    from diffattn.fileio import read_json, write_json
+
+    key = fingerprint(
+        [str(Path(checkpoint).name), asdict(settings), held_out.fingerprint, held_out.seq_len]
+    )
+    cache = Path(run_dir) / EVAL_NAME
+    if cache.is_file():
+        try:
+            cached = read_json(cache)
+        except ValueError:
+            cached = {}
+        if cached.get("fingerprint") == key:
+            return cached["results"]
+    (model,) = load_models([str(checkpoint)], device=device)
+    results = {**_text(model, settings, held_out), **_needle(model, settings, held_out.seq_len)}
+    write_json(cache, {"fingerprint": key, "results": results})
+    return results
+
+
+def eval_device(config: Any) -> str:
+    """Where a run's model is measured: its training device (``auto``: CUDA when present)."""
+    import torch
+
+    device = str(getattr(config, "device", "cpu"))
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _mean(values: Sequence[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
