@@ -59,10 +59,26 @@ def _sdpa(q, k, v, scale, *, is_causal=False, attn_mask=None):
     dv = v.shape[-1]
     q, k, v = match_head_widths(q, k, v)
     gqa = q.shape[1] != k.shape[1]
+    if gqa and q.shape[2] == 1 and not is_causal:
+        return _one_query_per_group(q, k, v, scale, attn_mask)[..., :dv]
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
     )
     return out[..., :dv]
+
+
+def _one_query_per_group(q, k, v, scale, attn_mask):
+    """One query token (a decode step) under GQA: the ``G = Hq / Hkv`` query heads that share a
+    KV head become ``G`` query rows against it, so each KV head is read once per step instead
+    of once per query head (SDPA's CPU kernels loop over query heads). Exact: every row keeps
+    its own softmax, and the mask, ``(B or 1, 1, 1, S)`` here, is the same for all of them.
+    This is what keeps DIFF V2 (twice the query heads, the baseline's KV heads) at the
+    baseline's decode cost."""
+    bsz, n_q, _, width = q.shape
+    n_kv = k.shape[1]
+    rows = q.reshape(bsz, n_kv, n_q // n_kv, width)
+    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=attn_mask, scale=scale)
+    return out.reshape(bsz, n_q, 1, out.shape[-1])
 
 
 def sdpa_attention(
