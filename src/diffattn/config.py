@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 AttentionType = Literal["baseline", "diff_v1", "diff_v2"]
-Backend = Literal["reference", "sdpa", "flash", "fused", "auto"]
+Backend = Literal["reference", "sdpa", "flash", "fused", "triton", "auto"]
 RopeStyle = Literal["half", "interleaved"]
 
 ATTENTION_TYPES: tuple[str, ...] = get_args(AttentionType)
