@@ -92,7 +92,8 @@ class Extension:
 
 
 class SharedPrefix:
-    """A prompt prefix run once; :meth:`extend` continues it with a batch of token rows."""
+    """A prompt prefix run once; :meth:`logits` continues it with a batch of token rows and
+    :meth:`step` appends one token per row."""
 
     def __init__(self, model: nn.Module, ids: Sequence[int], use_cache: bool = True) -> None:
         self.model = model
