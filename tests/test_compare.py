@@ -50,7 +50,13 @@ def small_options(tmp_path, corpus, **changes) -> CompareOptions:
         "device=cpu",
     ]
     options = CompareOptions(
-        out=tmp_path / "out", overrides=overrides, steps=6, seeds=1, progress=False, evaluate=False
+        out=tmp_path / "out",
+        overrides=overrides,
+        steps=6,
+        seeds=1,
+        jobs=1,
+        progress=False,
+        evaluate=False,
     )
     for key, value in changes.items():
         setattr(options, key, value)
@@ -60,7 +66,7 @@ def small_options(tmp_path, corpus, **changes) -> CompareOptions:
 def test_embedded_recipe_plans_three_matched_models():
     assert default_recipe().is_file()
     _, configs = plan_configs(CompareOptions())
-    assert [a for a, _ in configs] == ["baseline", "diff_v1", "diff_v2"]
+    assert list(configs) == [(a, s) for s in (0, 1, 2) for a in ("baseline", "diff_v1", "diff_v2")]
     from diffattn import count_parameters
 
     counts = [count_parameters(c.model_config()) for c in configs.values()]
@@ -163,9 +169,9 @@ def test_scaled_down_compare_measures_and_judges_every_model(tmp_path, one_threa
     )  # fmt: skip
     options = CompareOptions(
         out=tmp_path / "out", overrides=overrides, steps=2, seeds=2, progress=False,
-        eval_settings=settings,
+        eval_settings=settings, jobs=2,
     )  # fmt: skip
-    result = run_compare(options)
+    result = run_compare(options)  # two worker processes
     out = tmp_path / "out"
     for run in result.runs:
         e = run.evals
@@ -203,6 +209,19 @@ def test_scaled_down_compare_measures_and_judges_every_model(tmp_path, one_threa
 
     # A re-run reuses the trained models and their measurements.
     cached = (out / "runs" / "diff_v2-seed1" / "eval.json").read_text()
+    options.jobs = 1  # in this process this time
     again = run_compare(options)
     assert (out / "runs" / "diff_v2-seed1" / "eval.json").read_text() == cached
     assert [r.evals["val_loss"] for r in again.runs] == [r.evals["val_loss"] for r in result.runs]
+
+
+def test_jobs_resolution():
+    from diffattn.compare import resolve_jobs
+
+    jobs, threads = resolve_jobs(None, 9, "cpu")
+    assert 1 <= jobs <= 9 and (threads is None) == (jobs == 1)
+    assert resolve_jobs(1, 9, "cpu") == (1, None)
+    assert resolve_jobs(4, 2, "cpu")[0] == 2  # never more workers than runs
+    assert resolve_jobs(None, 9, "cuda") == (1, None)
+    with pytest.raises(ValueError, match="--jobs"):
+        resolve_jobs(0, 9, "cpu")

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from diffattn.compare.evaluate import EvalSettings
@@ -44,13 +45,16 @@ class CompareOptions:
     overrides: list[str] = field(default_factory=list)
     """``key.sub=value`` overrides applied to the recipe."""
     attentions: tuple[str, ...] = ATTENTIONS
-    seeds: int = 1
-    """Number of seeds: ``seed, seed + 1, ...`` from the recipe's seed."""
+    seeds: int = 3
+    """Number of seeds: ``seed, seed + 1, ...`` from the recipe's seed; the claims are judged
+    on the spread over seeds, so fewer than 2 leaves every verdict inconclusive."""
     steps: int | None = None
     preset: str | None = None
     device: str | None = None
     overwrite: bool = False
     progress: bool = True
+    jobs: int | None = None
+    """Runs trained side by side (``None``: automatic, see :func:`resolve_jobs`)."""
     evaluate: bool = True
     """Measure every trained model (:mod:`diffattn.compare.evaluate`) and judge the claims."""
     eval_settings: EvalSettings = field(default_factory=EvalSettings)
@@ -153,47 +157,149 @@ def _prepare_out_dir(out: Path, plan: str, overwrite: bool) -> None:
     tmp.replace(plan_file)
 
 
-def run_compare(options: CompareOptions) -> CompareResult:
-    """Train every (attention, seed) run of the plan on the same data and write the report."""
-    from diffattn.compare.evaluate import eval_device, evaluate_checkpoint, held_out_documents
+@dataclass
+class _Job:
+    """One (attention, seed) run: train (or resume, or reuse), then measure."""
+
+    attention: str
+    seed: int
+    config: Any
+    run_dir: Path
+    progress: bool
+    threads: int | None
+    held_out: Any
+    eval_settings: EvalSettings
+
+
+def _train_and_measure(job: _Job) -> tuple[int, dict[str, Any], float]:
+    """Run ``job`` (in this process or a worker); returns (tokens, measurements, seconds)."""
+    import torch
+
+    from diffattn.compare.evaluate import eval_device, evaluate_checkpoint
     from diffattn.data import prepare_data
     from diffattn.train import train
     from diffattn.train.checkpoint import latest_checkpoint
 
+    if job.threads is not None:
+        torch.set_num_threads(job.threads)
+    started = time.perf_counter()
+    prepared = prepare_data(job.config.data_config(), progress=False)  # cached by the parent
+    resume = latest_checkpoint(job.run_dir / "checkpoints") is not None
+    result = train(job.config, job.run_dir, resume=resume, progress=job.progress, data=prepared)
+    if result.stopped is not None:
+        raise KeyboardInterrupt(f"{job.attention} seed {job.seed} stopped by {result.stopped}")
+    evals: dict[str, Any] = {}
+    if job.held_out is not None:
+        evals = evaluate_checkpoint(
+            latest_checkpoint(job.run_dir / "checkpoints"),
+            job.run_dir,
+            job.eval_settings,
+            job.held_out,
+            device=eval_device(job.config),
+        )
+    return int(result.tokens), evals, time.perf_counter() - started
+
+
+def resolve_jobs(jobs: int | None, runs: int, device: str) -> tuple[int, int | None]:
+    """(parallel runs, torch threads per run) for ``jobs`` (``None``: automatic).
+
+    Automatic: one run at a time on CUDA; on CPU one run per core, one thread each, as long as
+    there are runs: small models use cores far better side by side than through intra-op
+    threads."""
+    import os
+
+    import torch
+
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got {jobs}")
+    if device not in ("cpu", "auto") or (device == "auto" and torch.cuda.is_available()):
+        return (jobs or 1), None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = max(1, cores or 1)
+    jobs = min(runs, jobs or cores)
+    return jobs, (max(1, cores // jobs) if jobs > 1 else None)
+
+
+def run_compare(options: CompareOptions) -> CompareResult:
+    """Train every (attention, seed) run of the plan on the same data, measure every trained
+    model, judge the claims and write the report."""
+    from diffattn.compare.evaluate import held_out_documents
+    from diffattn.data import prepare_data
+
     say = print if options.progress else (lambda *a, **k: None)
     base, configs = plan_configs(options)
+    jobs, threads = resolve_jobs(options.jobs, len(configs), str(base.device))
     out = Path(options.out)
     _prepare_out_dir(out, _plan_text(options, base), options.overwrite)
 
     started = time.perf_counter()
     say(f"diffattn compare: preparing data ({', '.join(base.data_config().sources)})")
     prepared = prepare_data(base.data_config(), progress=options.progress)
-
     held_out = None
     if options.evaluate:
         held_out = held_out_documents(base.data_config(), base.seq_len, options.eval_settings.seed)
-    summaries: list[RunSummary] = []
-    for index, ((attention, seed), config) in enumerate(configs.items(), start=1):
-        run_dir = out / "runs" / f"{attention}-seed{seed}"
-        resume = latest_checkpoint(run_dir / "checkpoints") is not None
-        say(f"\n[{index}/{len(configs)}] {attention}, seed {seed} -> {run_dir}")
-        result = train(config, run_dir, resume=resume, progress=options.progress, data=prepared)
-        if result.stopped is not None:
-            raise KeyboardInterrupt(f"{attention} seed {seed} stopped by {result.stopped}")
-        summary = summarise_run(attention, seed, config, run_dir, result)
-        if held_out is not None:
-            say(f"evaluating {attention}, seed {seed}")
-            summary.evals = evaluate_checkpoint(
-                latest_checkpoint(run_dir / "checkpoints"),
-                run_dir,
-                options.eval_settings,
-                held_out,
-                device=eval_device(config),
-            )
-        summaries.append(summary)
+    work = [
+        _Job(
+            attention,
+            seed,
+            config,
+            out / "runs" / f"{attention}-seed{seed}",
+            options.progress and jobs == 1,
+            threads,
+            held_out,
+            options.eval_settings,
+        )
+        for (attention, seed), config in configs.items()
+    ]
+    done: dict[int, tuple[int, dict[str, Any], float]] = {}
+    if jobs == 1:
+        for index, job in enumerate(work, start=1):
+            say(f"\n[{index}/{len(work)}] {job.attention}, seed {job.seed} -> {job.run_dir}")
+            done[index - 1] = _train_and_measure(job)
+    else:
+        done = _run_parallel(work, jobs, threads, say)
 
+    summaries: list[RunSummary] = []
+    for index, job in enumerate(work):
+        tokens, evals, _ = done[index]
+        result = SimpleNamespace(tokens=tokens)
+        summary = summarise_run(job.attention, job.seed, job.config, job.run_dir, result)
+        summary.evals = evals
+        summaries.append(summary)
     report, plots = write_report(out, base, summaries, prepared, time.perf_counter() - started)
     return CompareResult(out_dir=out, runs=summaries, report=report, plots=plots)
+
+
+def _run_parallel(work: list[_Job], jobs: int, threads: int | None, say: Any) -> dict:
+    """Run the jobs in ``jobs`` worker processes, reporting each as it finishes."""
+    import multiprocessing
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+
+    say(
+        f"training and measuring {len(work)} runs, {jobs} at a time "
+        f"({threads} thread{'s' if threads != 1 else ''} each)"
+    )
+    context = multiprocessing.get_context("spawn")
+    done: dict[int, tuple[int, dict[str, Any], float]] = {}
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = {pool.submit(_train_and_measure, job): i for i, job in enumerate(work)}
+        pending = set(futures)
+        try:
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                for future in finished:
+                    index = futures[future]
+                    done[index] = future.result()  # re-raises a worker's error here
+                    job = work[index]
+                    say(
+                        f"[{len(done)}/{len(work)}] {job.attention}, seed {job.seed}: "
+                        f"{done[index][2]:.0f} s -> {job.run_dir}"
+                    )
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            raise
+    return done
 
 
 __all__ = ["ATTENTIONS", "CompareOptions", "CompareResult", "default_recipe", "run_compare"]
