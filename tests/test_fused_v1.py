@@ -201,3 +201,19 @@ def test_registry_lists_fused():
     backend = registry.get_backend("fused")
     assert backend.diff_v1 is fused.fused_diff_v1 and backend.custom_masks
     assert kernels.resolve_backend("fused", torch.randn(1, 1, 2, 4)) == "fused"
+
+
+def test_compiled_static_cache_decoding_on_fused_matches_eager():
+    """Fixed-shape decoding (tensor offsets, torch.compile) takes the traceable formula."""
+    from diffattn.generation import generate
+
+    torch._dynamo.reset()
+    model = _model("fused").eval()
+    ids = torch.randint(0, TINY_VOCAB, (2, 5))
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    eager = generate(model, ids, mask, max_new_tokens=4, do_sample=False)
+    compiled = generate(
+        model, ids, mask, max_new_tokens=4, do_sample=False, cache="static", compile=True,
+        compile_backend="eager",
+    )  # fmt: skip
+    assert torch.equal(compiled.sequences, eager.sequences)
