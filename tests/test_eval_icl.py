@@ -353,3 +353,24 @@ def test_command_line(model_dirs, tmp_path, capsys, one_thread):
     bad = main([*args, "--overwrite", *tiny, "--shots", "three"])
     err = capsys.readouterr().err.strip().splitlines()
     assert bad == 2 and len(err) == 1 and "--shots" in err[0]
+
+
+def test_cached_prefix_of_a_dex_model(one_thread):
+    from diffattn import dex
+
+    model = tiny_hf("llama")
+    dex.apply(model, heads={0: [1], 1: [0, 3]}, anneal_steps=0, lambda_learn_init=0.5)
+    model.eval()
+    rng = random.Random(0)
+    prefix_ids = [rng.randrange(128) for _ in range(40)]
+    items = [[rng.randrange(128) for _ in range(n)] for n in (1, 7, 3)]
+    cached, reference = SharedPrefix(model, prefix_ids), SharedPrefix(model, prefix_ids, False)
+    fast, fast_ext = cached.logits(items)
+    slow, slow_ext = reference.logits(items)
+    assert cached.cached
+    for row, item in enumerate(items):
+        torch.testing.assert_close(
+            fast[row, : len(item)], slow[row, : len(item)], atol=2e-5, rtol=1e-5
+        )
+    fast_ext, slow_ext = cached.step(fast_ext, [1, 2, 3]), reference.step(slow_ext, [1, 2, 3])
+    torch.testing.assert_close(fast_ext.last_logits, slow_ext.last_logits, atol=2e-5, rtol=1e-5)
