@@ -152,3 +152,23 @@ def test_each_type_overfits_a_tiny_batch(attention):
         optimizer.step()
     final = model(ids, labels=ids).loss.item()
     assert final <= 0.1 * first, (first, final)
+
+
+@pytest.mark.parametrize(("batch", "length"), [(1, 2), (2, 7), (3, 129)])
+def test_next_token_loss_equals_the_sliced_form_with_gradients(batch, length):
+    """Shifting the labels instead of slicing the logits: same loss and gradient in fp32."""
+    import torch.nn.functional as F
+
+    from diffattn.model import next_token_loss
+
+    torch.manual_seed(length)
+    logits = torch.randn(batch, length, 11, requires_grad=True)
+    labels = torch.randint(0, 11, (batch, length))
+    labels[-1, length // 2 + 1 :] = -100  # ignored labels, e.g. right padding
+    got = next_token_loss(logits, labels)
+    want = F.cross_entropy(
+        logits[:, :-1].reshape(-1, 11), labels[:, 1:].reshape(-1), ignore_index=-100
+    )
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    grad, ref = (torch.autograd.grad(x, logits)[0] for x in (got, want))
+    torch.testing.assert_close(grad, ref, rtol=1e-6, atol=1e-9)

@@ -27,9 +27,9 @@ max_new_tokens`` slots once and decodes with fixed shapes: the step passes its s
 tensor (``cache_position``) and a mask covering the whole buffer, so no shape and no Python
 number changes from one token to the next. ``compile=True`` (static cache only) runs that step,
 :func:`decode_step`, through ``torch.compile``: it is compiled on the first decode step and
-reused for every later one. With the ``reference`` attention backend the step is one graph;
-with ``sdpa`` the kernel's padding dispatch reads values back from the device, which splits
-the graph (still no per-token recompilation).
+reused for every later one. On the ``reference`` and ``sdpa`` backends the step is one graph
+(it compiles with ``fullgraph=True``): the slot and the mask stay on the device, so nothing is
+read back and nothing is recompiled per token.
 
 Streaming. ``streamer`` is either a callable, called with each new token column (a ``(B,)``
 int64 tensor on the model's device) as soon as it is chosen, or an object with ``put(tokens)``

@@ -77,6 +77,20 @@ class DecoderBlock(nn.Module):
         return x, maps
 
 
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits[:, t]`` against ``labels[:, t + 1]`` over labels ``!= -100``.
+
+    The labels are shifted, not the logits: the last position gets the ignored label, so the
+    ``(B, N, vocab)`` logits enter the loss as a view, without the copy (and, in backward, the
+    zero-filled full-size gradient) that slicing off their last position would cost. Same
+    terms, same order, same mean.
+    """
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), shifted.reshape(-1), ignore_index=IGNORE_INDEX
+    )
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that count real tokens only: ``cumsum(mask) − 1``, clamped at 0.
 
@@ -330,11 +344,7 @@ class DiffTransformerLM(nn.Module):
                     f"labels shape {tuple(labels.shape)} does not match "
                     f"the input's (batch, seq_len) = {(bsz, n)}"
                 )
-            loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                labels[:, 1:].reshape(-1),
-                ignore_index=IGNORE_INDEX,
-            )
+            loss = next_token_loss(logits, labels)
         return CausalLMOutput(
             logits=logits,
             loss=loss,
