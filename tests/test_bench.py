@@ -122,6 +122,7 @@ def test_reference_rows_have_ratio_one(records):
     for r in records:
         if r["attention"] in ("baseline", "hf_llama"):
             assert r["ratio_to_baseline"] == pytest.approx(1.0)
+            assert r["best_ratio_to_baseline"] == pytest.approx(1.0)
 
 
 def test_parameter_counts_are_matched(records):
@@ -162,6 +163,9 @@ def test_json_mode_prints_only_json(capsys):
         (["--backend", "nonesuch"], "--backend"),
         (["--backend", "flash"], "--backend"),
         (["--dex", "--no-hf"], "--dex"),
+        (["--models", "diff_v1"], "--models"),
+        (["--models", "baseline,gpt2"], "--models"),
+        (["--models", "baseline,hf_llama", "--no-hf"], "--models"),
     ],
 )
 def test_bad_input_exits_2_naming_the_option(argv, option, capsys):
@@ -310,3 +314,8 @@ def test_peak_table_and_override():
     assert peak_tflops("cpu", "fp32") is None
     assert peak_tflops("cpu", "fp32", override=1.5) == 1.5
     assert mfu(1e9, 1e3, None) is None and mfu(1e9, 1e3, 1.0) == pytest.approx(1.0)
+
+
+def test_models_selects_rows(capsys):
+    records = _run_json(["--mode", "fwd", "--models", "baseline,diff_v2"], capsys)
+    assert {r["attention"] for r in records} == {"baseline", "diff_v2"}

@@ -51,6 +51,7 @@ from diffattn.attention.registry import backend_names
 from diffattn.bench.flops import throughput_bound
 from diffattn.bench.hardware import device_name, mfu, peak_tflops
 from diffattn.bench.models import (
+    DEX_ROWS,
     Candidate,
     dex_candidates,
     hf_available,
@@ -84,6 +85,7 @@ RECORD_FIELDS: dict[str, type | tuple[type, ...]] = {
     "mem_seq_len": int,
     "params": int,
     "ratio_to_baseline": float,
+    "best_ratio_to_baseline": float,
     "mem_ratio_to_baseline": float,
     "ratio_reference": str,
     "flop_bound": float,
@@ -194,6 +196,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="add HF Llama with Dex on half its heads, unmerged and merged (needs transformers)",
     )
     parser.add_argument(
+        "--models",
+        type=lambda text: [name for name in text.replace(",", " ").split() if name],
+        default=None,
+        help="time only these rows (e.g. baseline,hf_llama); each row's reference "
+        "(baseline for ours, hf_llama for HF and Dex rows) must be among them",
+    )
+    parser.add_argument(
         "--sweep",
         type=_lengths,
         default=None,
@@ -275,6 +284,10 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
         return f"--plot: the folder {str(args.plot.parent)!r} does not exist"
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         return f"--plot writes a PNG; give a path ending in .png, got {str(args.plot)!r}"
+    if args.models is not None:
+        problem = _check_models(args)
+        if problem is not None:
+            return problem
     if args.dex and (args.no_hf or not hf_available()):
         return "--dex adapts the HF Llama row: it needs transformers and no --no-hf"
     if args.device not in DEVICES:
@@ -290,6 +303,21 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
         resolve_backend(args.backend, probe)
     except RuntimeError as error:
         return f"--backend {args.backend}: {error}"
+    return None
+
+
+def _check_models(args: argparse.Namespace) -> str | None:
+    hf = ("hf_llama", "hf_diffllama")
+    known = (*ATTENTIONS, *([] if args.no_hf else hf), *(DEX_ROWS if args.dex else ()))
+    unknown = [name for name in args.models if name not in known]
+    if unknown or not args.models:
+        return f"--models: choose among {', '.join(known)}, got {', '.join(args.models) or 'none'}"
+    for name in args.models:
+        reference = "baseline" if name in ATTENTIONS else "hf_llama"
+        if reference not in args.models:
+            return (
+                f"--models: {name} is compared with {reference}, so {reference} must be timed too"
+            )
     return None
 
 
@@ -524,6 +552,7 @@ def _records(candidates, mode, seq_len, times, peaks, args, mem_seq_len) -> list
     new = args.new_tokens if decode else 1
     tokens = args.batch * (new if decode else seq_len)
     speed = {name: tokens / statistics.median(t) for name, t in times.items()}
+    best = {name: tokens / min(t) for name, t in times.items()}
     by_name = {c.name: c for c in candidates}
     name = device_name(args.device)
     peak = peak_tflops(name, args.dtype, args.peak_tflops)
@@ -544,6 +573,7 @@ def _records(candidates, mode, seq_len, times, peaks, args, mem_seq_len) -> list
                 "mem_seq_len": seq_len if decode else mem_seq_len,
                 "params": c.params,
                 "ratio_to_baseline": speed[c.name] / speed[c.reference],
+                "best_ratio_to_baseline": best[c.name] / best[c.reference],
                 "mem_ratio_to_baseline": peaks[c.name] / max(peaks[c.reference], 1),
                 "ratio_reference": c.reference,
                 "flop_bound": bound,
@@ -592,7 +622,7 @@ def format_table(records: list[dict[str, Any]], mode: str, seq_len: int | None =
     with_mfu = any(r["mfu"] is not None for r in rows)
     head = (
         f"{'model':<13} {'kernel':<7} {'params':>12} {'tokens/s':>11} {'spread':>7} "
-        f"{'x ref':>6} {'FLOP bound':>10} {'peak mem':>13} {'x ref':>6}"
+        f"{'x ref':>6} {'best':>6} {'FLOP bound':>10} {'peak mem':>13} {'x ref':>6}"
         + (f" {'MFU':>6}" if with_mfu else "")
         + "  ref"
     )
@@ -601,6 +631,7 @@ def format_table(records: list[dict[str, Any]], mode: str, seq_len: int | None =
         lines.append(
             f"{r['attention']:<13} {r['kernel']:<7} {r['params']:>12,} "
             f"{r['tokens_per_s']:>11,.1f} {r['spread']:>7.0%} {r['ratio_to_baseline']:>6.3f} "
+            f"{r['best_ratio_to_baseline']:>6.3f} "
             f"{r['flop_bound']:>10.3f} {format_bytes(r['peak_mem_bytes']):>13} "
             f"{r['mem_ratio_to_baseline']:>6.3f}"
             + (f" {r['mfu']:>6.1%}" if with_mfu else "")
@@ -633,7 +664,8 @@ def _report(records, configs, candidates, args) -> str:
         f"threads), {args.dtype}, backend {args.backend}; torch {torch.__version__}",
         f"tokens/s = batch*N (decode: batch*new tokens) / median of {args.steps} interleaved "
         f"runs (after {args.warmup} warmup); spread = (slowest - fastest) / median run; "
-        "'x ref' = ratio to the row named in 'ref'",
+        "'x ref' = ratio to the row named in 'ref'; 'best' = the same ratio of the fastest "
+        "runs (less sensitive to other load on the machine)",
         MEMORY_NOTE[args.device]
         + (f"; fwd and fwd+bwd memory measured at N={mem_n}" if mem_n else ""),
         "FLOP bound = FLOPs(ref) / FLOPs(model) per token as each kernel computes them: the "
@@ -713,6 +745,8 @@ def build_candidates(args: argparse.Namespace, configs: dict[str, ModelConfig], 
         candidates += hf
         if args.dex:
             candidates += dex_candidates(next(c for c in hf if c.name == "hf_llama"))
+    if args.models is not None:
+        candidates = [c for c in candidates if c.name in args.models]
     return candidates
 
 
