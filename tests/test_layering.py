@@ -51,6 +51,7 @@ LAYERS: dict[str, int] = {
     "diffattn.scaling": 2,
     "diffattn.dex.train": 2,
     "diffattn.dex.compare": 2,
+    "diffattn.dex.benchmarks": 2,
     # commands
     "diffattn.commands": 3,
     "diffattn.cli": 3,

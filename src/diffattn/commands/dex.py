@@ -63,12 +63,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     compare = verbs.add_parser("compare", help="Dex vs LoRA-8/32 vs full fine-tuning")
     _add_common(compare)
     compare.add_argument("--out", default="runs/dex-compare", help="output directory")
-    compare.add_argument("--steps", type=int, default=200, help="optimizer steps per method")
+    compare.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps per method (default 200)"
+    )
     compare.add_argument(
         "--methods",
         nargs="+",
         default=None,
         help="subset of dex lora8 lora32 ft (default: all)",
+    )
+    compare.add_argument(
+        "--recipe",
+        default=None,
+        help="YAML with steps, methods, set and benchmarks (mc, needle, icl on every model), "
+        "e.g. configs/dex-smollm2.yaml; --steps, --methods and --set override it",
     )
     compare.add_argument(
         "--overwrite", action="store_true", help="replace a non-empty --out as a whole"
@@ -138,15 +146,20 @@ def _run(args: argparse.Namespace) -> int:
         out = dex_train.merge_run(args.adapter, args.model, args.out, overwrite=args.overwrite)
         print(f"merged model: {out}")
         return 0
-    from diffattn.dex.compare import compare_methods
+    from diffattn.dex.compare import compare_methods, load_recipe
 
+    recipe = load_recipe(args.recipe) if args.recipe else {"set": [], "benchmarks": None}
+    benchmarks = recipe["benchmarks"]
+    if benchmarks is not None:
+        benchmarks.quiet = args.quiet
     compare_methods(
         args.model,
         args.out,
-        args.steps,
-        overrides=list(args.overrides),
-        methods=args.methods,
+        args.steps if args.steps is not None else recipe.get("steps") or 200,
+        overrides=[*recipe["set"], *args.overrides],
+        methods=args.methods or recipe.get("methods"),
         progress=not args.quiet,
         overwrite=args.overwrite,
+        benchmarks=benchmarks,
     )
     return 0

@@ -8,12 +8,22 @@ r = 8 and r = 32 on q/k/v/o via PEFT, α = 2r) and 1e-5 for full fine-tuning. De
 highest-entropy half of the heads of every layer (§3.2, §4.1) with T = half the run. The
 held-out loss of the pretrained model and of each method is written to ``report.md`` and
 ``report.json`` with ``loss_curves.png`` (training and held-out loss over steps).
+
+With :class:`~diffattn.dex.benchmarks.BenchmarkSettings`, every model (the pretrained one and
+each trained method, LoRA merged into its weights, Dex with its hooks) is also measured on
+zero-shot multiple choice, needle retrieval and the synthetic many-shot ICL task right after it
+is trained (:mod:`diffattn.dex.benchmarks`); ``results.json`` then holds every raw result with
+the settings, the command and the versions, ``benchmarks.png`` the accuracies, and
+``report.md`` the table and whether Dex beats LoRA r = 8. A recipe file
+(``configs/dex-smollm2.yaml``, :func:`load_recipe`) holds these settings.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +34,7 @@ import torch
 from torch import nn
 
 from diffattn.dex import train as dex_train
+from diffattn.dex.benchmarks import BenchmarkSettings
 from diffattn.fileio import check_output_directory, clear_output_directory
 from diffattn.loading import ModelSource, load_model, resolve_source
 
@@ -74,6 +85,145 @@ def _curves(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, flo
     return train, val, sorted(times)[len(times) // 2]
 
 
+def _keeping(make: Callable[[], nn.Module], built: list[nn.Module]) -> Callable[[], nn.Module]:
+    """``make`` that also appends what it builds to ``built`` (the model the trainer trains)."""
+
+    def wrapped() -> nn.Module:
+        built.append(make())
+        return built[-1]
+
+    return wrapped
+
+
+def _for_eval(model: nn.Module, method: str) -> tuple[nn.Module, str]:
+    """The trained model as it is evaluated, and its kind: LoRA merged into the base weights
+    (a plain model, so attention probes see its softmax maps), Dex with its hooks (the needle
+    attention then uses Dex's effective attention), full fine-tuning as it is."""
+    if method.startswith("lora"):
+        return model.merge_and_unload(), "hf"
+    return model, "dex" if method == "dex" else "hf"
+
+
+def _tokenizer(source: ModelSource) -> Any:
+    from diffattn.loading import has_tokenizer, load_tokenizer
+
+    directory = source.model_dir
+    if not has_tokenizer(directory):
+        raise ValueError(
+            f"model {source.spec!r} has no tokenizer stored with it; the benchmarks need one"
+        )
+    return load_tokenizer(directory)
+
+
+def _measure(
+    model: nn.Module, method: str, spec: str, tokenizer: Any, kind: str, settings: Any
+) -> dict[str, Any]:
+    from diffattn.dex.benchmarks import eval_model, evaluate
+
+    was_training = model.training
+    with torch.no_grad():
+        found = evaluate(eval_model(model, method, spec, tokenizer, kind), settings)
+    model.train(was_training)
+    return found
+
+
+def _attach(row: dict[str, Any], method: str, found: dict[str, Any], measured: dict) -> None:
+    from diffattn.dex.benchmarks import summary, timings
+
+    row["benchmarks"] = summary(method, found)
+    row["eval_timings"] = timings(found)
+    measured[method] = found
+
+
+def _benchmark_report(
+    out: Path,
+    report: dict[str, Any],
+    rows: list[dict[str, Any]],
+    measured: dict[str, Any],
+    settings: BenchmarkSettings,
+) -> list[str]:
+    """Write ``results.json`` and ``benchmarks.png``; the report's benchmark section."""
+    from diffattn.dex import benchmarks
+    from diffattn.eval.common import _plain
+    from diffattn.version import __version__
+
+    figure = benchmarks.plot(rows, out / "benchmarks.png")
+    if figure is not None:
+        report["plots"].append(figure.name)
+    record = {
+        "experiment": "dex compare",
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "diffattn_version": __version__,
+        "torch_version": torch.__version__,
+        "settings": settings.to_dict(),
+        "figures": list(report["plots"]),
+        "results": {**report, "benchmarks": measured},
+    }
+    (out / "results.json").write_text(json.dumps(_plain(record), indent=2) + "\n")
+    timing_lines = [
+        f"- {row['name']}: "
+        + ", ".join(
+            f"{key} {t['seconds']:.1f} s ({t['seconds_per_item']:.2f} s/item)"
+            for key, t in row["eval_timings"].items()
+        )
+        for row in rows
+        if "eval_timings" in row
+    ]
+    return [
+        "",
+        "## Benchmarks",
+        "",
+        "Zero-shot multiple choice (acc_norm of lm-evaluation-harness, first "
+        f"{settings.mc_limit} validation items per task), needle retrieval "
+        f"({settings.needle_needles} needles, lengths {list(settings.needle_lengths)}, depths "
+        f"{list(settings.needle_depths)}%, {settings.needle_samples} samples per cell; answer "
+        "and noise mass of the last token's attention, effective attention for Dex) and the "
+        f"synthetic {settings.icl_classes}-class ICL task ({settings.icl_test_items} test items, "
+        "accuracy per number of demonstrations); value ± standard error over items.",
+        "",
+        benchmarks.table(rows),
+        "",
+        benchmarks.verdict(rows),
+        "",
+        "Evaluation wall time per model:",
+        "",
+        *timing_lines,
+        "",
+        f"![benchmarks]({figure.name})" if figure is not None else "(no plot: matplotlib)",
+    ]
+
+
+def load_recipe(path: str | Path) -> dict[str, Any]:
+    """A ``dex compare`` recipe (YAML): ``steps``, ``methods``, ``set`` (``key=value``
+    training-config entries) and ``benchmarks`` (:class:`BenchmarkSettings` fields, or
+    ``false`` for none). Returns those keys with ``benchmarks`` as settings or ``None``."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"recipe {path}: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe {path}: expected a mapping of settings")
+    unknown = sorted(set(data) - {"steps", "methods", "set", "benchmarks"})
+    if unknown:
+        raise ValueError(f"recipe {path}: unknown key(s) {unknown}")
+    overrides = data.get("set", [])
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise ValueError(f"recipe {path}: set must be a list of key=value strings")
+    found = data.get("benchmarks", False)
+    try:
+        settings = None if found in (False, None) else BenchmarkSettings.from_dict(found)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"recipe {path}: {error}") from None
+    return {
+        "steps": data.get("steps"),
+        "methods": data.get("methods"),
+        "set": overrides,
+        "benchmarks": settings,
+    }
+
+
 def compare_methods(
     model: str,
     out: str | Path,
@@ -82,8 +232,13 @@ def compare_methods(
     methods: Sequence[str] | None = None,
     progress: bool = True,
     overwrite: bool = False,
+    benchmarks: BenchmarkSettings | None = None,
 ) -> dict[str, Any]:
-    """Train each method, evaluate, write the report; returns the ``report.json`` content."""
+    """Train each method, evaluate, write the report; returns the ``report.json`` content.
+
+    ``benchmarks``: also measure the pretrained model and every trained one on
+    :mod:`diffattn.dex.benchmarks` (the rows then carry ``benchmarks`` and ``eval_timings``).
+    """
     from diffattn.compare.plots import plot_losses
     from diffattn.dex.adapter import apply
     from diffattn.dex.selection import select_heads
@@ -101,14 +256,20 @@ def compare_methods(
         option="--out",
         hint="choose another --out or pass --overwrite to replace it",
     )
+    if benchmarks is not None:
+        benchmarks.check()
     source = resolve_source(model)
     pretrained = load_model(source, dtype=torch.float32).train()
     dex_train.check_supported(pretrained, source)
     config = dex_train.base_config(source, steps, overrides)
+    tokenizer = _tokenizer(source) if benchmarks is not None else None
     data = dex_train.prepare(config, progress=progress)
     t_start = time.perf_counter()
     base_loss = dex_train.held_out_loss(pretrained, config, data)
     heads = select_heads(pretrained, dex_train.calibration_batches(config, data), "entropy")
+    base_measured = None
+    if benchmarks is not None:
+        base_measured = _measure(pretrained, "base", model, tokenizer, "hf", benchmarks)
     del pretrained
     anneal = max(1, steps // 2)
 
@@ -134,6 +295,9 @@ def compare_methods(
             "status": "ok",
         }
     ]
+    measured: dict[str, Any] = {}
+    if base_measured is not None:
+        _attach(rows[0], "base", base_measured, measured)
     runs = []
     if replace:  # every input is valid: the old contents go now, as a whole
         clear_output_directory(out)
@@ -142,6 +306,7 @@ def compare_methods(
         run_config = config.replace(optim={**config.to_dict()["optim"], "lr": lr})
         run_dir = out / "runs" / method
         row = {"method": method, "name": LABELS[method], "lr": lr}
+        built: list[nn.Module] = []
         try:
             result = train(
                 run_config,
@@ -149,7 +314,7 @@ def compare_methods(
                 progress=progress,
                 callbacks=dex_train.dex_callbacks() if method == "dex" else (),
                 data=data,
-                model_factory=make,
+                model_factory=_keeping(make, built),
             )
         except ConfigError as error:
             raise ValueError(str(error)) from None
@@ -169,6 +334,13 @@ def compare_methods(
             step_time_s=step_time,
             status="ok",
         )
+        if benchmarks is not None:
+            trained, kind = _for_eval(built[-1], method)
+            found = _measure(trained, method, f"{model} ({method})", tokenizer, kind, benchmarks)
+            _attach(row, method, found, measured)
+            del trained
+        built.clear()
+        gc.collect()
         rows.append(row)
         runs.append(
             SimpleNamespace(attention=LABELS[method], train_curve=train_curve, val_curve=val_curve)
@@ -188,7 +360,6 @@ def compare_methods(
         "tokenizer": getattr(data.tokenizer, "name", None),
         "plots": [plot.name] if plot is not None else [],
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     table = markdown_table(rows)
     lines = [
         "# diffattn dex compare",
@@ -205,8 +376,16 @@ def compare_methods(
         "",
     ]
     lines.append(f"![loss curves]({plot.name})" if plot is not None else "(no plot: matplotlib)")
+    if benchmarks is not None:
+        lines += _benchmark_report(out, report, rows, measured, benchmarks)
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     (out / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n" + table)
+    if benchmarks is not None:
+        from diffattn.dex.benchmarks import table as benchmark_table
+        from diffattn.dex.benchmarks import verdict
+
+        print("\n" + benchmark_table(rows) + "\n\n" + verdict(rows))
     print(f"\nreport: {out / 'report.md'}")
     return report
 
