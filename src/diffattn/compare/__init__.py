@@ -22,6 +22,7 @@ checkpoints) and rewrites the report; an ``OUT`` holding a different plan is ref
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -220,10 +221,25 @@ def resolve_jobs(jobs: int | None, runs: int, device: str) -> tuple[int, int | N
     return jobs, (max(1, cores // jobs) if jobs > 1 else None)
 
 
+def needle_settings_for(settings: EvalSettings, sources: Sequence[str]) -> EvalSettings:
+    """``settings`` with the needle digits of the mix's ``synthetic:needle`` source, so the
+    evaluation asks for numbers of the length the models were trained to retrieve."""
+    from dataclasses import replace
+
+    from diffattn.data.synthetic import is_synthetic_spec, parse_synthetic_spec
+
+    for spec in sources:
+        if is_synthetic_spec(spec):
+            parsed = parse_synthetic_spec(spec)
+            if parsed.task == "needle":
+                return replace(settings, needle_digits=parsed.params["digits"])
+    return settings
+
+
 def run_compare(options: CompareOptions) -> CompareResult:
     """Train every (attention, seed) run of the plan on the same data, measure every trained
     model, judge the claims and write the report."""
-    from diffattn.compare.evaluate import held_out_documents
+    from diffattn.compare.evaluate import held_out_windows
     from diffattn.data import prepare_data
 
     say = print if options.progress else (lambda *a, **k: None)
@@ -237,7 +253,8 @@ def run_compare(options: CompareOptions) -> CompareResult:
     prepared = prepare_data(base.data_config(), progress=options.progress)
     held_out = None
     if options.evaluate:
-        held_out = held_out_documents(base.data_config(), base.seq_len, options.eval_settings.seed)
+        held_out = held_out_windows(prepared.valid, base.seq_len, options.eval_settings.max_tokens)
+    settings = needle_settings_for(options.eval_settings, base.data_config().sources)
     work = [
         _Job(
             attention,
@@ -247,7 +264,7 @@ def run_compare(options: CompareOptions) -> CompareResult:
             options.progress and jobs == 1,
             threads,
             held_out,
-            options.eval_settings,
+            settings,
         )
         for (attention, seed), config in configs.items()
     ]

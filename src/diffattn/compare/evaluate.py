@@ -1,8 +1,8 @@
 """The measurements ``diffattn compare`` takes of every trained model (the ``diffattn eval``
 experiments, run in-process on the run's final checkpoint).
 
-On held-out documents of the training mix (the trainer's document-level split, shuffled with a
-fixed seed so every source is represented; one window per document chunk):
+On the trainer's validation stream (held-out documents of the training mix, as tokens, cut into
+windows of the training length and spread evenly over the stream):
 
 * ``val_loss``, ``ar_hit``, ``others``: mean next-token NLL, and its AR-Hit / Others slices
   (DIFF V1 Table 6; :mod:`diffattn.eval.loss`), with ``window_loss`` kept for paired
@@ -30,7 +30,6 @@ settings, so a re-run reuses them.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,6 +47,8 @@ class EvalSettings:
     needle_depths: tuple[float, ...] = (0.0, 50.0, 100.0)
     needle_samples: int = 12
     """Samples per (depth, cell)."""
+    needle_digits: int = 7
+    """Digits of each needle's number (set it to the training mix's ``synthetic:needle``)."""
     max_tokens: int = 40_000
     """Token budget of the held-out windows for loss, outliers and quantization."""
     bits: tuple[int, ...] = (8, 6, 4)
@@ -76,35 +77,30 @@ class EvalSettings:
 
 @dataclass
 class HeldOut:
-    """The held-out documents every model of a comparison is measured on."""
+    """The held-out token windows every model of a comparison is measured on."""
 
-    documents: list[str]
+    windows: list[list[int]]
     seq_len: int
     fingerprint: str = ""
 
 
-def held_out_documents(data: Any, seq_len: int, seed: int = 0) -> HeldOut:
-    """The trainer's validation documents of the :class:`~diffattn.data.DataConfig`
-    ``data`` (same sources, byte cap and split), shuffled with ``seed``."""
-    from diffattn.data import is_validation_document, iter_documents
+def held_out_windows(valid: Any, seq_len: int, max_tokens: int) -> HeldOut:
+    """Windows of the trainer's validation shards (``valid``, a
+    :class:`~diffattn.data.shards.ShardSet`): the stream the trainer validates on, cut into
+    ``seq_len`` windows, up to ``max_tokens`` of them spread evenly over the whole stream, so
+    every source of the mix counts in proportion to its tokens."""
     from diffattn.eval.common import fingerprint
 
-    docs = [
-        d
-        for d in iter_documents(
-            data.sources,
-            text_field=data.text_field,
-            split=data.document_split,
-            max_bytes=data.max_bytes,
-        )
-        if is_validation_document(d, seed=data.seed, valid_fraction=data.valid_fraction)
-    ]
-    if not docs:
+    count = valid.num_tokens // seq_len
+    if count < 1:
         raise ValueError(
-            f"no held-out documents in {list(data.sources)}; raise data.valid_fraction"
+            f"the validation set holds {valid.num_tokens} tokens, less than one window of "
+            f"{seq_len}; raise data.valid_fraction"
         )
-    random.Random(seed).shuffle(docs)
-    return HeldOut(docs, seq_len, fingerprint(docs))
+    take = min(count, max(1, max_tokens // seq_len))
+    starts = [(i * count // take) * seq_len for i in range(take)]
+    windows = [[int(t) for t in valid.read(start, seq_len)] for start in starts]
+    return HeldOut(windows, seq_len, fingerprint(windows))
 
 
 def _needle(model: Any, settings: EvalSettings, seq_len: int) -> dict[str, Any]:
@@ -113,7 +109,7 @@ def _needle(model: Any, settings: EvalSettings, seq_len: int) -> dict[str, Any]:
     out: dict[str, Any] = {"cells": {}}
     accuracies, answer, noise = [], [], []
     for n, r in settings.needle_cells:
-        max_new = 10 * r + 2
+        max_new = (settings.needle_digits + 3) * r + 2
         result = needle.run(
             [model],
             needles=n,
@@ -124,6 +120,7 @@ def _needle(model: Any, settings: EvalSettings, seq_len: int) -> dict[str, Any]:
             seed=settings.seed,
             batch_size=settings.batch_size,
             max_new_tokens=max_new,
+            digits=settings.needle_digits,
         )["models"][model.name]
         shares = [
             (s["answer_mass"] / s["total_mass"], s["noise_mass"] / s["total_mass"])
@@ -150,12 +147,10 @@ def _needle(model: Any, settings: EvalSettings, seq_len: int) -> dict[str, Any]:
 
 def _text(model: Any, settings: EvalSettings, held_out: HeldOut) -> dict[str, Any]:
     from diffattn.eval import loss, outliers
-    from diffattn.eval.text import model_windows
 
-    result = loss.evaluate_model(
-        model, held_out.documents, held_out.seq_len, settings.max_tokens, 2, settings.batch_size
-    )
-    pieces = model_windows(model, held_out.documents, held_out.seq_len, settings.max_tokens)
+    pieces = held_out.windows
+    owner = list(range(len(pieces)))
+    result = loss.evaluate_windows(model, pieces, owner, held_out.seq_len, 2, settings.batch_size)
     stats = outliers.outlier_stats(model, pieces, settings.batch_size)
     out: dict[str, Any] = {
         "val_loss": result["loss"],

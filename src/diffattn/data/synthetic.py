@@ -17,10 +17,11 @@ Two tasks make the papers' retrieval claims measurable on small models, as a dat
   question about the first ``R`` of them (``R ≤ queries``) and its answer, in exactly the
   format ``diffattn eval needle`` asks it (:data:`QUESTION_ONE`, :data:`QUESTION_MANY`).
 
-Parameters (all optional): ``docs`` (number of documents), ``seed``, and per task ``pairs``,
-``queries`` (recall) or ``needles``, ``queries``, ``words`` (needle: haystack length in words,
-drawn uniformly from ``[words/2, words]``). Documents depend only on the spec, so a spec
-names one corpus, which is what the data cache's fingerprint relies on.
+Parameters (all optional): ``docs`` (number of documents), ``seed``; for recall ``pairs`` and
+``queries``; for needle ``needles``, ``queries``, ``words`` (haystack length in words, drawn
+uniformly from ``[words/2, words]``) and ``digits`` (of each number, default 7). Documents
+depend only on the spec, so a spec names one corpus, which the data cache's fingerprint
+relies on.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ QUESTION_MANY = (
     "\n\nQuestion: What are the magic numbers of {cities}? Answer: The magic numbers are"
 )
 DIGITS = 7
-"""Digits of a needle's number."""
+"""Digits of a needle's number by default (the papers' needle uses 7)."""
 
 CITIES = (
     "Amsterdam", "Athens", "Auckland", "Bangkok", "Barcelona", "Beijing", "Berlin", "Bogota",
@@ -95,7 +96,7 @@ RECALL_KEYS = (
 
 DEFAULTS = {
     "recall": {"docs": 2000, "seed": 0, "pairs": 8, "queries": 8},
-    "needle": {"docs": 2000, "seed": 0, "needles": 6, "queries": 2, "words": 120},
+    "needle": {"docs": 2000, "seed": 0, "needles": 6, "queries": 2, "words": 120, "digits": DIGITS},
 }
 """Parameters of each task and their defaults."""
 
@@ -152,6 +153,8 @@ def _check(spec: str, task: str, p: dict[str, int]) -> None:
             fail("queries must be in 1..needles")
         if p["words"] < 2:
             fail("words must be >= 2")
+        if not 1 <= p["digits"] <= 12:
+            fail("digits must be in 1..12")
 
 
 def needle_sentence(city: str, number: str) -> str:
@@ -172,11 +175,13 @@ def answer(numbers: list[str]) -> str:
     return " " + ", ".join(numbers[:-1]) + " and " + numbers[-1] + "."
 
 
-def random_numbers(rng: random.Random, count: int) -> list[str]:
-    """``count`` distinct ``DIGITS``-digit numbers."""
+def random_numbers(rng: random.Random, count: int, digits: int = DIGITS) -> list[str]:
+    """``count`` distinct ``digits``-digit numbers."""
+    if count > 9 * 10 ** (digits - 1):
+        raise ValueError(f"cannot draw {count} distinct {digits}-digit numbers")
     numbers: list[str] = []
     while len(numbers) < count:
-        number = str(rng.randrange(10 ** (DIGITS - 1), 10**DIGITS))
+        number = str(rng.randrange(10 ** (digits - 1), 10**digits))
         if number not in numbers:
             numbers.append(number)
     return numbers
@@ -211,7 +216,7 @@ def _needle_document(rng: random.Random, p: dict[str, int]) -> str:
     n = rng.randint(1, p["needles"])
     r = rng.randint(1, min(p["queries"], n))
     cities = rng.sample(CITIES, n)
-    numbers = random_numbers(rng, n)
+    numbers = random_numbers(rng, n, p["digits"])
     sentences = haystack_words(rng, rng.randint(max(1, p["words"] // 2), p["words"]))
     pieces = [" " + s for s in sentences]
     for city, number in zip(cities, numbers, strict=True):

@@ -120,6 +120,21 @@ def evaluate_model(
     pieces, owner = windows(token_docs, seq_len, max_tokens)
     if not pieces:
         raise ValueError("no window of at least 2 tokens; use more data or a larger budget")
+    return evaluate_windows(model, pieces, owner, seq_len, ngram, batch_size, exclude, quiet)
+
+
+def evaluate_windows(
+    model: EvalModel,
+    pieces: Sequence[Sequence[int]],
+    owner: Sequence[int],
+    seq_len: int,
+    ngram: int = 2,
+    batch_size: int = 8,
+    exclude: set | None = None,
+    quiet: bool = True,
+) -> dict[str, Any]:
+    """The results of :func:`evaluate_model` on token windows ``pieces`` (``owner[i]``: the
+    document window i comes from)."""
     nlls = window_nll(model, pieces, batch_size, quiet)
     hit_sum = other_sum = 0.0
     hit_n = other_n = 0

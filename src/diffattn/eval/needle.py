@@ -2,9 +2,10 @@
 attention the query puts on the answer and on the rest of the context (DIFF V1 Table 3).
 
 Needles. Each needle is the sentence ``" The magic number of CITY is NUMBER."`` with a city
-from :data:`CITIES` (never two needles with the same city) and a random 7-digit number (never
-two needles with the same number). A sample has ``N`` needles (``--needles``); the first ``R``
-(``--queries``) are the answer needles, the others distractors.
+from :data:`CITIES` (never two needles with the same city) and a random 7-digit number
+(``--digits``; never two needles with the same number). A sample has ``N`` needles
+(``--needles``); the first ``R`` (``--queries``) are the answer needles, the others
+distractors.
 
 Prompt (``PROMPT_TEMPLATE``), built from token ids of each model's own tokenizer::
 
@@ -61,6 +62,7 @@ import torch
 
 from diffattn.data.synthetic import (
     CITIES,
+    DIGITS,
     HAYSTACK_SENTENCES,
     NEEDLE_TEMPLATE,
     QUESTION_MANY,
@@ -122,7 +124,10 @@ def add_arguments(parser: Any) -> None:
         "--max-new-tokens",
         type=int,
         default=None,
-        help="tokens generated per sample (default 10·R + 2)",
+        help="tokens generated per sample (default (digits + 3)·R + 2)",
+    )
+    parser.add_argument(
+        "--digits", type=int, default=DIGITS, help=f"digits of each number (default {DIGITS})"
     )
     parser.add_argument(
         "--no-attention",
@@ -164,6 +169,7 @@ def make_samples(
     depths: Sequence[float],
     samples: int,
     seed: int,
+    digits: int = DIGITS,
 ) -> dict[tuple[float, int], list[NeedleSample]]:
     """``samples`` samples per (depth, length) cell; unique cities and numbers per sample."""
     if needles > len(CITIES):
@@ -175,7 +181,7 @@ def make_samples(
             cell = []
             for _ in range(samples):
                 cities = rng.sample(CITIES, needles)
-                numbers = random_numbers(rng, needles)
+                numbers = random_numbers(rng, needles, digits)
                 places = [rng.random() for _ in range(needles - queries)]
                 cell.append(NeedleSample(depth, length, cities, numbers, queries, places))
             cells[(depth, length)] = cell
@@ -526,14 +532,17 @@ def run(
     max_new_tokens: int | None = None,
     attention: bool = True,
     quiet: bool = True,
+    digits: int = DIGITS,
 ) -> dict[str, Any]:
     """Multi-needle retrieval of every model on the same samples (see the module docstring)."""
+    if not 1 <= digits <= 12:
+        raise ValueError(f"--digits must be in 1..12, got {digits}")
     if max_new_tokens is None:
-        max_new_tokens = 10 * queries + 2
+        max_new_tokens = (digits + 3) * queries + 2
     lengths, depths = [int(n) for n in lengths], [float(d) for d in depths]
     _check(needles, queries, lengths, depths, samples, batch_size, max_new_tokens)
     seed_everything(seed)
-    cells = make_samples(needles, queries, lengths, depths, samples, seed)
+    cells = make_samples(needles, queries, lengths, depths, samples, seed, digits)
     results: dict[str, Any] = {
         "prompt_template": PROMPT_TEMPLATE,
         "needle_template": NEEDLE_TEMPLATE,
@@ -627,6 +636,7 @@ def main(args: Any) -> int:
             "batch_size",
             "max_new_tokens",
             "attention",
+            "digits",
         ),
     )
     results = run(models, quiet=args.quiet, **settings)
