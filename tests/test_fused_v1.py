@@ -120,7 +120,7 @@ def test_fused_bf16_forward_is_close():
     )
 
 
-def test_tensor_offsets_take_the_traceable_rows_formula():
+def test_tensor_offsets_give_the_same_result():
     """Fixed-shape decoding passes a 0-d tensor offset; the result and grads are unchanged."""
     inputs = _inputs(1, 4, 2, 1, 9)
     weight = torch.randn(1, 4, 1, 2 * D)

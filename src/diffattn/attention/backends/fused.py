@@ -40,12 +40,14 @@ Compute is fp32 whatever the input dtype (bf16 inputs are upcast per call, outpu
 back), matching ``reference``. Masking follows :mod:`diffattn.attention.mask` exactly
 (causal, key padding / var-len, query offset for a KV cache, full custom masks).
 
-Calls that must stay traceable (``torch.compile``, a tensor ``query_offset`` of fixed-shape
-decoding) take :func:`~diffattn.attention.backends.reference.differential_rows`, the same formula as
-one block through autograd; a one-token decode step is that formula with ``R = 1``.
+Calls traced by ``torch.compile`` (fixed-shape decoding with a tensor ``query_offset``) take
+:func:`~diffattn.attention.backends.reference.differential_rows`, the same formula as one
+block through autograd; eager calls with a tensor offset (a static cache) read it once.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -217,8 +219,10 @@ def fused_diff_v1(
 ) -> torch.Tensor:
     """DIFF V1 Eq.1, ``(softmax(Q1K1ᵀ·scale) − λ softmax(Q2K2ᵀ·scale)) V``, on the blocked
     kernel of this module. Shapes as :func:`diffattn.attention.kernels.differential_attention`."""
-    if isinstance(mask.query_offset, torch.Tensor) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return differential_rows(q1, q2, k1, k2, v, lam, mask, scale)
+    if isinstance(mask.query_offset, torch.Tensor):  # a static cache, run eagerly
+        mask = dataclasses.replace(mask, query_offset=int(mask.query_offset))
     return _FusedDiffV1.apply(q1, q2, k1, k2, v, lam, mask, scale)
 
 

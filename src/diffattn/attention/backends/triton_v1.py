@@ -52,9 +52,9 @@ def triton_diff_v1(
     scale: float,
 ) -> torch.Tensor:
     """DIFF V1 Eq.1 on the Triton kernels; shapes as
-    :func:`diffattn.attention.kernels.differential_attention`. Traced calls (a tensor
-    ``query_offset``, ``torch.compile``) take :func:`differential_rows`."""
-    if isinstance(mask.query_offset, torch.Tensor) or torch.compiler.is_compiling():
+    :func:`diffattn.attention.kernels.differential_attention`. Calls traced by
+    ``torch.compile`` take :func:`differential_rows`."""
+    if torch.compiler.is_compiling():
         return differential_rows(q1, q2, k1, k2, v, lam, mask, scale)
     from diffattn.attention.triton_diff_v1 import TritonDiffV1
 
