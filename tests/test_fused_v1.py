@@ -217,3 +217,21 @@ def test_compiled_static_cache_decoding_on_fused_matches_eager():
         compile_backend="eager",
     )  # fmt: skip
     assert torch.equal(compiled.sequences, eager.sequences)
+
+
+def test_blocks_on_worker_threads_equal_blocks_in_order(monkeypatch):
+    inputs = _inputs(2, 4, 2, 129, 129)
+    mask = AttentionMask(key_padding=_padding("left", 2, 129))
+    weight = torch.randn(2, 4, 129, 2 * D)
+    results, threads = [], torch.get_num_threads()
+    torch.set_num_threads(2)  # two workers
+    try:
+        for parallel in (False, True):
+            monkeypatch.setattr(fused, "PARALLEL_BLOCKS", parallel)
+            results.append(_outputs_and_grads("fused", inputs, mask, weight))
+    finally:
+        torch.set_num_threads(threads)
+    (out, grads), (out_threads, grads_threads) = results
+    torch.testing.assert_close(out_threads, out, rtol=0, atol=0)
+    for g, g_ref in zip(grads_threads, grads, strict=True):
+        assert _rel(g, g_ref) <= 1e-6

@@ -48,6 +48,7 @@ block through autograd; eager calls with a tensor offset (a static cache) read i
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -60,6 +61,8 @@ BLOCK_ELEMENTS = 1 << 20
 """Target size of one block map (rows × keys × heads × batch) in elements: 4 MiB in fp32,
 small enough to stay in the last-level cache while elementwise passes run over it."""
 MIN_BLOCK_ROWS = 16
+PARALLEL_BLOCKS = True
+"""Run blocks on worker threads (see :func:`_in_workers`); ``False`` runs them in order."""
 
 
 def _group(q: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -128,14 +131,41 @@ def _rows(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 def _forward(q1s, q2s, k1, k2, v, lam: float, blocks: _Blocks) -> torch.Tensor:
     bsz, n_kv, n, rep, _ = q1s.shape
     out = v.new_empty(bsz, n_kv, n, rep, v.shape[-1])
-    for start, stop, key_end in blocks:
-        p = _probs(_rows(q1s, start, stop), k1, blocks, start, stop, key_end)
-        p2 = _probs(_rows(q2s, start, stop), k2, blocks, start, stop, key_end)
-        p.sub_(p2, alpha=lam)
-        del p2
-        block = torch.matmul(p, v[:, :, :key_end])
-        out[:, :, start:stop] = block.view(bsz, n_kv, stop - start, rep, -1)
+
+    def run(part):
+        for start, stop, key_end in part:
+            p = _probs(_rows(q1s, start, stop), k1, blocks, start, stop, key_end)
+            p2 = _probs(_rows(q2s, start, stop), k2, blocks, start, stop, key_end)
+            p.sub_(p2, alpha=lam)
+            del p2
+            block = torch.matmul(p, v[:, :, :key_end])
+            out[:, :, start:stop] = block.view(bsz, n_kv, stop - start, rep, -1)
+
+    _in_workers(run, list(blocks))
     return out
+
+
+def _in_workers(run, items: list) -> list:
+    """``run(part)`` for interleaved parts of ``items``: one Python thread per intra-op thread,
+    each running its blocks single-threaded (ops release the GIL), the coarse-grained
+    parallelism of fused kernels; many small multi-threaded ops are several times slower on a
+    busy machine. Returns the results in part order."""
+    workers = min(torch.get_num_threads(), len(items))
+    if workers <= 1 or not PARALLEL_BLOCKS:
+        with torch.no_grad():
+            return [run(items)]
+    threads = torch.get_num_threads()
+
+    def single(part):
+        torch.set_num_threads(1)
+        with torch.no_grad():  # grad mode is per thread; nothing here is differentiated
+            return run(part)
+
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(single, [items[i::workers] for i in range(workers)]))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -146,27 +176,33 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _backward(grad, q1s, q2s, k1, k2, v, lam: float, scale: float, blocks: _Blocks):
     bsz, n_kv, _, rep, d = q1s.shape
     dq1, dq2 = torch.empty_like(q1s), torch.empty_like(q2s)
-    dk1, dk2, dv = torch.zeros_like(k1), torch.zeros_like(k2), torch.zeros_like(v)
-    dlam = grad.new_zeros(())
-    for start, stop, key_end in blocks:
-        q1_block, q2_block = _rows(q1s, start, stop), _rows(q2s, start, stop)
-        g = _rows(grad, start, stop)
-        k1e, k2e, ve = k1[:, :, :key_end], k2[:, :, :key_end], v[:, :, :key_end]
-        p1 = _probs(q1_block, k1, blocks, start, stop, key_end)
-        p2 = _probs(q2_block, k2, blocks, start, stop, key_end)
-        dv[:, :, :key_end] += torch.sub(p1, p2, alpha=lam).transpose(-1, -2) @ g
-        dp = g @ ve.transpose(-1, -2)
-        r1, r2 = _row_dot(dp, p1), _row_dot(dp, p2)
-        dlam -= r2.sum()
-        ds1 = (dp - r1).mul_(p1)
-        del p1
-        ds2 = dp.sub_(r2).mul_(p2)  # dS2 / (−λ)
-        del p2
-        shape = (bsz, n_kv, stop - start, rep, d)
-        dq1[:, :, start:stop] = (ds1 @ k1e).mul_(scale).view(shape)
-        dq2[:, :, start:stop] = (ds2 @ k2e).mul_(-lam * scale).view(shape)
-        dk1[:, :, :key_end] += ds1.transpose(-1, -2) @ q1_block
-        dk2[:, :, :key_end].sub_(ds2.transpose(-1, -2) @ q2_block, alpha=lam)
+
+    def run(part):
+        dk1, dk2, dv = torch.zeros_like(k1), torch.zeros_like(k2), torch.zeros_like(v)
+        dlam = grad.new_zeros(())
+        for start, stop, key_end in part:
+            q1_block, q2_block = _rows(q1s, start, stop), _rows(q2s, start, stop)
+            g = _rows(grad, start, stop)
+            k1e, k2e, ve = k1[:, :, :key_end], k2[:, :, :key_end], v[:, :, :key_end]
+            p1 = _probs(q1_block, k1, blocks, start, stop, key_end)
+            p2 = _probs(q2_block, k2, blocks, start, stop, key_end)
+            dv[:, :, :key_end] += torch.sub(p1, p2, alpha=lam).transpose(-1, -2) @ g
+            dp = g @ ve.transpose(-1, -2)
+            r1, r2 = _row_dot(dp, p1), _row_dot(dp, p2)
+            dlam -= r2.sum()
+            ds1 = (dp - r1).mul_(p1)
+            del p1
+            ds2 = dp.sub_(r2).mul_(p2)  # dS2 / (−λ)
+            del p2
+            shape = (bsz, n_kv, stop - start, rep, d)
+            dq1[:, :, start:stop] = (ds1 @ k1e).mul_(scale).view(shape)
+            dq2[:, :, start:stop] = (ds2 @ k2e).mul_(-lam * scale).view(shape)
+            dk1[:, :, :key_end] += ds1.transpose(-1, -2) @ q1_block
+            dk2[:, :, :key_end].sub_(ds2.transpose(-1, -2) @ q2_block, alpha=lam)
+        return dk1, dk2, dv, dlam
+
+    parts = _in_workers(run, list(blocks))
+    dk1, dk2, dv, dlam = (sum(values) for values in zip(*parts, strict=True))
     return dq1, dq2, dk1, dk2, dv, dlam
 
 
