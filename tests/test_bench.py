@@ -319,3 +319,16 @@ def test_peak_table_and_override():
 def test_models_selects_rows(capsys):
     records = _run_json(["--mode", "fwd", "--models", "baseline,diff_v2"], capsys)
     assert {r["attention"] for r in records} == {"baseline", "diff_v2"}
+
+
+def test_cross_ratios_compare_ours_with_the_hf_rows(records):
+    from diffattn.bench.throughput import cross_ratios
+
+    lines = cross_ratios(records)
+    if not HAS_HF:
+        assert lines == []
+        return
+    assert len(lines) == len(MODES)
+    rows = {(r["attention"], r["mode"]): r for r in records}
+    ratio = rows["baseline", "fwd"]["tokens_per_s"] / rows["hf_llama", "fwd"]["tokens_per_s"]
+    assert f"baseline / hf_llama {ratio:.3f}" in next(line for line in lines if " fwd N" in line)

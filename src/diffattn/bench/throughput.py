@@ -652,6 +652,30 @@ def _mode_title(mode: str, seq_len: int, args: argparse.Namespace) -> str:
     )
 
 
+CROSS = (("baseline", "hf_llama"), ("diff_v1", "hf_diffllama"))
+"""Our rows and the HF rows they mirror, compared across code bases by :func:`cross_ratios`."""
+
+
+def cross_ratios(records: list[dict[str, Any]]) -> list[str]:
+    """One line per mode and length: our baseline / HF Llama and our DIFF V1 / HF DiffLlama
+    throughput (median and fastest runs of the same interleaved run)."""
+    rows = {(r["attention"], r["mode"], r["seq_len"]): r for r in records}
+    lines = []
+    for (_, mode, n), r in rows.items():
+        if r["attention"] != "baseline":
+            continue
+        parts = []
+        for ours, theirs in CROSS:
+            if (ours, mode, n) in rows and (theirs, mode, n) in rows:
+                a, b = rows[ours, mode, n], rows[theirs, mode, n]
+                median = a["tokens_per_s"] / b["tokens_per_s"]
+                best = min(b["seconds"]) / min(a["seconds"])
+                parts.append(f"{ours} / {theirs} {median:.3f} (best {best:.3f})")
+        if parts:
+            lines.append(f"across code bases, {mode} N={n}: " + "; ".join(parts))
+    return lines
+
+
 def _report(records, configs, candidates, args) -> str:
     base = configs["baseline"]
     heads = f"heads {base.n_heads}x{HEAD_DIM}, kv heads {base.num_kv_heads}"
@@ -677,6 +701,7 @@ def _report(records, configs, candidates, args) -> str:
             shown = prompt_len_of(args, n) if mode == "decode" else n
             out += ["", f"== {mode}: {_mode_title(mode, shown, args)} =="]
             out.append(format_table(records, mode, shown))
+    out += cross_ratios(records)
     v1 = configs["diff_v1"]
     for n in lengths_of(args):
         once = throughput_bound(v1, base, n, "qk_once")
