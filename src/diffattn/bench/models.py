@@ -53,8 +53,9 @@ class Candidate:
     """The row this one's ratios are taken against."""
     call: Callable[..., Any]
     """``call(ids, labels)`` -> an output with ``.loss`` (``labels`` may be ``None``)."""
-    decode: Callable[[torch.Tensor, int], Callable[[], None]]
-    """``decode(prompt, new_tokens)``: prefill a fresh cache, return the timed decode loop."""
+    decode: Callable[..., Callable[[], None]]
+    """``decode(prompt, new_tokens, eager=False)``: prefill a fresh cache, return the timed
+    decode loop (``eager``: without ``torch.compile``, for the CPU memory tracker)."""
     config: ModelConfig
     """The diffattn config whose FLOPs this model has (for HF rows, the config it mirrors)."""
     extra_flops: float = 0.0
@@ -87,7 +88,7 @@ def our_decode(model: DiffTransformerLM, cache_kind: str, compiled: bool):
     step = torch.compile(decode_step, fullgraph=True) if compiled else decode_step
 
     @torch.no_grad()
-    def prepare(prompt: torch.Tensor, new_tokens: int) -> Callable[[], None]:
+    def prepare(prompt: torch.Tensor, new_tokens: int, eager: bool = False) -> Callable[[], None]:
         model.eval()
         bsz, length = prompt.shape
         weight = model.embed_tokens.weight
@@ -113,7 +114,8 @@ def our_decode(model: DiffTransformerLM, cache_kind: str, compiled: bool):
             nonlocal token
             for i in range(new_tokens):
                 slot = torch.arange(length + i, length + i + 1, device=weight.device)
-                token = step(model, cache, token, None, slot).argmax(-1, keepdim=True)
+                run_step = decode_step if eager else step
+                token = run_step(model, cache, token, None, slot).argmax(-1, keepdim=True)
 
         return run_static
 
@@ -124,7 +126,7 @@ def hf_decode(model: torch.nn.Module):
     """The ``decode`` of a Hugging Face model, with the cache it makes by default."""
 
     @torch.no_grad()
-    def prepare(prompt: torch.Tensor, new_tokens: int) -> Callable[[], None]:
+    def prepare(prompt: torch.Tensor, new_tokens: int, eager: bool = True) -> Callable[[], None]:
         model.eval()
         out = model(input_ids=prompt, use_cache=True)
         state = {"past": out.past_key_values, "token": _greedy(out.logits)}

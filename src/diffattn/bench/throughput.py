@@ -501,11 +501,11 @@ def peak_step_bytes(run_step: Callable[[], None], device: str) -> int:
     return tracker.peak
 
 
-def runner(candidate: Candidate, ids: torch.Tensor, mode: str, new_tokens: int):
+def runner(candidate: Candidate, ids: torch.Tensor, mode: str, new_tokens: int, eager=False):
     """``prepare()`` for one timed run of ``candidate``: it does the untimed part (decode's
-    prefill) and returns the part to time."""
+    prefill) and returns the part to time (``eager``: a decode step not compiled)."""
     if mode == "decode":
-        return lambda: candidate.decode(ids, new_tokens)
+        return lambda: candidate.decode(ids, new_tokens, eager=eager)
     return lambda: lambda: _step(candidate, ids, mode)
 
 
@@ -531,10 +531,12 @@ def time_interleaved(
 
 
 def peak_bytes(candidates, ids, mode, device, new_tokens: int = 1) -> dict[str, int]:
-    """One untimed run per candidate: its peak memory (decode: prefill and decode together)."""
+    """One untimed run per candidate: its peak memory (decode: prefill and decode together).
+    On the CPU the tracker is a dispatch mode, which ``torch.compile`` cannot trace, so a
+    compiled decode step is measured eagerly there (the same tensors, allocated op by op)."""
     peaks = {}
     for c in candidates:
-        prepare = runner(c, ids, mode, new_tokens)
+        prepare = runner(c, ids, mode, new_tokens, eager=device == "cpu")
         peaks[c.name] = peak_step_bytes(lambda prepare=prepare: prepare()(), device)
     return peaks
 
