@@ -225,3 +225,13 @@ def test_jobs_resolution():
     assert resolve_jobs(None, 9, "cuda") == (1, None)
     with pytest.raises(ValueError, match="--jobs"):
         resolve_jobs(0, 9, "cpu")
+
+
+def test_needles_are_asked_with_the_digits_the_mix_trains():
+    from diffattn.compare import needle_settings_for
+
+    mix = ["synthetic:recall", "synthetic:needle?docs=10&digits=3", "stdlib"]
+    assert needle_settings_for(EvalSettings(), mix).needle_digits == 3
+    assert needle_settings_for(EvalSettings(), ["stdlib"]).needle_digits == 7
+    with pytest.raises(ValueError, match="needle cells"):
+        EvalSettings(needle_cells=((2, 3),))

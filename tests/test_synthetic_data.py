@@ -75,3 +75,14 @@ def test_bad_specs_name_the_problem(spec, message):
         parse_synthetic_spec(spec)
     with pytest.raises(ValueError, match=re.escape(message)):
         list(iter_documents(spec))
+
+
+def test_needle_digits_set_the_length_of_every_number():
+    for digits in (1, 2, 5):
+        for doc in iter_documents(f"synthetic:needle?docs=20&digits={digits}&needles=4"):
+            numbers = re.findall(r"is (\d+)\.", doc.split("\n\n")[0])
+            assert numbers and all(len(n) == digits for n in numbers)
+    with pytest.raises(ValueError, match=r"digits must be in 1\.\.12"):
+        parse_synthetic_spec("synthetic:needle?digits=0")
+    samples = needle.make_samples(4, 2, [100], [0], 3, seed=0, digits=2)
+    assert all(len(n) == 2 for cell in samples.values() for s in cell for n in s.numbers)
