@@ -201,7 +201,7 @@ def test_scaled_down_compare_measures_and_judges_every_model(tmp_path, one_threa
         [by[("diff_v1", s)] - by[("baseline", s)] for s in (0, 1)]
     )
     report = (out / "report.md").read_text()
-    assert "| claim | source | model | prediction |" in report
+    assert "| claim | source | paper (DIFF vs Transformer) | model |" in report
     assert "Verdict rule" in report and "validation set large enough" in report
     for png in ("loss_curves.png", "lambda.png", "evals.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
