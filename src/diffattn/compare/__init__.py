@@ -222,8 +222,8 @@ def resolve_jobs(jobs: int | None, runs: int, device: str) -> tuple[int, int | N
 
 
 def needle_settings_for(settings: EvalSettings, sources: Sequence[str]) -> EvalSettings:
-    """``settings`` with the needle digits of the mix's ``synthetic:needle`` source, so the
-    evaluation asks for numbers of the length the models were trained to retrieve."""
+    """``settings`` with the needle digits and recall sizes of the mix's ``synthetic:`` sources,
+    so the evaluation asks what the models were trained to retrieve."""
     from dataclasses import replace
 
     from diffattn.data.synthetic import is_synthetic_spec, parse_synthetic_spec
@@ -232,7 +232,13 @@ def needle_settings_for(settings: EvalSettings, sources: Sequence[str]) -> EvalS
         if is_synthetic_spec(spec):
             parsed = parse_synthetic_spec(spec)
             if parsed.task == "needle":
-                return replace(settings, needle_digits=parsed.params["digits"])
+                settings = replace(settings, needle_digits=parsed.params["digits"])
+            else:
+                settings = replace(
+                    settings,
+                    recall_pairs=parsed.params["pairs"],
+                    recall_queries=parsed.params["queries"],
+                )
     return settings
 
 

@@ -12,6 +12,10 @@ windows of the training length and spread evenly over the stream):
 * ``quant_loss_<b>``: the loss with attention logits quantized to b bits by dynamic absmax
   (Fig 8), and ``quant_gap_<b>`` = quant_loss_b − val_loss.
 
+On fresh associative-recall episodes (the mix's ``synthetic:recall`` format):
+
+* ``recall_acc``: the share of queries whose value greedy decoding gets right (MQAR accuracy).
+
 On needle prompts at the trained length (:mod:`diffattn.eval.needle`; the synthetic haystack,
 answer needles at several depths):
 
@@ -49,6 +53,11 @@ class EvalSettings:
     """Samples per (depth, cell)."""
     needle_digits: int = 7
     """Digits of each needle's number (set it to the training mix's ``synthetic:needle``)."""
+    recall_episodes: int = 40
+    """Associative-recall episodes, each asking every one of its queries."""
+    recall_pairs: int = 8
+    recall_queries: int = 8
+    """Pairs listed and queries asked per episode (set them to the mix's ``synthetic:recall``)."""
     max_tokens: int = 40_000
     """Token budget of the held-out windows for loss, outliers and quantization."""
     bits: tuple[int, ...] = (8, 6, 4)
@@ -58,6 +67,8 @@ class EvalSettings:
     def __post_init__(self) -> None:
         if not self.needle_cells or any(not 1 <= r <= n for n, r in self.needle_cells):
             raise ValueError(f"needle cells must be (N, R) with 1 <= R <= N: {self.needle_cells}")
+        if not 1 <= self.recall_queries <= self.recall_pairs or self.recall_episodes < 1:
+            raise ValueError("recall needs 1 <= queries <= pairs and at least one episode")
         if self.needle_samples < 1 or self.max_tokens < 2 or self.batch_size < 1:
             raise ValueError("needle_samples, batch_size >= 1 and max_tokens >= 2 are required")
 
@@ -145,6 +156,36 @@ def _needle(model: Any, settings: EvalSettings, seq_len: int) -> dict[str, Any]:
     return out
 
 
+def _recall(model: Any, settings: EvalSettings) -> dict[str, Any]:
+    """Multi-query associative recall accuracy (MQAR, after Zoology; the retrieval behind DIFF
+    V1 Table 6's AR-Hit slice): episodes drawn apart from the training documents, each query
+    asked with the episode and the earlier answers as context, greedy decoding, correct when
+    the output starts with the listed value."""
+    import random
+
+    from diffattn.data.synthetic import recall_example, recall_text
+    from diffattn.eval.common import batches, require_tokenizer
+    from diffattn.eval.needle import greedy
+
+    tokenizer = require_tokenizer(model)
+    rng = random.Random(f"recall-eval:{settings.seed}")
+    prompts, answers = [], []
+    for _ in range(settings.recall_episodes):
+        listed, asked = recall_example(rng, settings.recall_pairs, settings.recall_queries)
+        for i, (key, value) in enumerate(asked):
+            text = recall_text(listed, [*asked[:i], (key, "")])
+            prompts.append(tokenizer.encode(text, special=True))
+            answers.append(value)
+    pad = tokenizer.eos_token_id or 0
+    correct = []
+    for group in batches(list(range(len(prompts))), settings.batch_size):
+        outputs = greedy(model, [prompts[i] for i in group], 3, pad)
+        for i, tokens in zip(group, outputs, strict=True):
+            decoded = tokenizer.decode(tokens).strip()
+            correct.append(decoded[: len(answers[i])] == answers[i])
+    return {"recall_acc": sum(correct) / len(correct), "recall_n": len(correct)}
+
+
 def _text(model: Any, settings: EvalSettings, held_out: HeldOut) -> dict[str, Any]:
     from diffattn.eval import loss, outliers
 
@@ -194,7 +235,11 @@ def evaluate_checkpoint(
         if cached.get("fingerprint") == key:
             return cached["results"]
     (model,) = load_models([str(checkpoint)], device=device)
-    results = {**_text(model, settings, held_out), **_needle(model, settings, held_out.seq_len)}
+    results = {
+        **_text(model, settings, held_out),
+        **_recall(model, settings),
+        **_needle(model, settings, held_out.seq_len),
+    }
     write_json(cache, {"fingerprint": key, "results": results})
     return results
 

@@ -87,8 +87,9 @@ def plot_lambda(out: Path, runs: list[Any]) -> Path | None:
 
 
 EVAL_PANELS = (
-    ("needle accuracy (Tab 2)", ("needle_1_1", "needle_2_2", "needle_4_2", "needle_6_2"),
-     ("1,1", "2,2", "4,2", "6,2")),
+    ("retrieval accuracy (Tab 2; MQAR)",
+     ("needle_1_1", "needle_2_2", "needle_4_2", "needle_6_2", "recall_acc"),
+     ("1,1", "2,2", "4,2", "6,2", "recall")),
     ("attention share (Tab 3)", ("answer_share", "noise_share"), ("answer", "noise")),
     ("loss added by b-bit logits (Fig 8)", ("quant_gap_8", "quant_gap_6", "quant_gap_4"),
      ("8", "6", "4")),
@@ -126,7 +127,7 @@ def plot_evals(out: Path, per_seed: dict[str, list[dict[str, Any]]]) -> Path | N
         ax.set_xticks(range(len(keys)), labels)
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].set_xlabel("(N needles, R asked)")
+    axes[0].set_xlabel("needles (N, R) and associative recall")
     axes[2].set_xlabel("bits")
     axes[0].legend(fontsize="small")
     path = out / "evals.png"

@@ -140,6 +140,7 @@ MEASUREMENTS: tuple[tuple[str, str, str], ...] = (
     ("val_loss", "val loss", ".4f"),
     ("ar_hit", "AR-Hit", ".4f"),
     ("others", "Others", ".4f"),
+    ("recall_acc", "associative recall acc.", ".3f"),
     ("needle_acc", "needle (mean)", ".3f"),
     ("needle_1_1", "needle N=1 R=1", ".3f"),
     ("needle_2_2", "needle N=2 R=2", ".3f"),

@@ -202,14 +202,27 @@ def haystack_words(rng: random.Random, words: int) -> list[str]:
     return sentences
 
 
-def _recall_document(rng: random.Random, p: dict[str, int]) -> str:
-    keys = rng.sample(RECALL_KEYS, p["pairs"])
+def recall_example(
+    rng: random.Random, pairs: int, queries: int
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """One recall episode: the listed (key, value) pairs and the ``queries`` of them asked."""
+    keys = rng.sample(RECALL_KEYS, pairs)
     values = [f"{rng.randrange(100):02d}" for _ in keys]
-    pairs = list(zip(keys, values, strict=True))
-    asked = rng.sample(pairs, p["queries"])
-    listed = ", ".join(f"{k} {v}" for k, v in pairs)
-    recalled = ", ".join(f"{k} {v}" for k, v in asked)
-    return f"Pairs: {listed}. Recall: {recalled}."
+    listed = list(zip(keys, values, strict=True))
+    return listed, rng.sample(listed, queries)
+
+
+def recall_text(listed: list[tuple[str, str]], asked: list[tuple[str, str]]) -> str:
+    """``"Pairs: k v, k v. Recall: k v, ..."`` (without the final period when ``asked`` ends
+    with a key alone, ``(key, "")``: a prompt that asks for that key's value)."""
+    pairs = ", ".join(f"{k} {v}" for k, v in listed)
+    recalled = ", ".join(f"{k} {v}".rstrip() for k, v in asked)
+    end = "" if asked and not asked[-1][1] else "."
+    return f"Pairs: {pairs}. Recall: {recalled}{end}"
+
+
+def _recall_document(rng: random.Random, p: dict[str, int]) -> str:
+    return recall_text(*recall_example(rng, p["pairs"], p["queries"]))
 
 
 def _needle_document(rng: random.Random, p: dict[str, int]) -> str:
