@@ -178,7 +178,7 @@ def test_scaled_down_compare_measures_and_judges_every_model(tmp_path, one_threa
         assert 0 <= e["needle_1_1"] <= 1 and 0 <= e["needle_2_2"] <= 1
         assert e["needle_acc"] == pytest.approx((e["needle_1_1"] + e["needle_2_2"]) / 2)
         assert 0 < e["answer_share"] < 1 and 0 < e["noise_share"] < 1
-        assert 0 <= e["recall_acc"] <= 1 and e["recall_n"] == 40 * 3  # the mix's 3 queries
+        assert 0 <= e["recall_acc"] <= 1 and e["recall_n"] == 24 * 3  # the mix's 3 queries
         assert e["logit_top1"] >= e["logit_median"] > 0
         assert e["hidden_top1"] >= e["hidden_median"] > 0
         for bits in (8, 6, 4):

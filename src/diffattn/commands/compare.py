@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--needle-samples",
         type=int,
         default=None,
-        help="needle prompts per (depth, N, R) cell (default 12)",
+        help="needle prompts per (depth, N, R) cell (default 8)",
     )
     parser.add_argument(
         "--eval-tokens",

@@ -49,11 +49,11 @@ class EvalSettings:
     needle_cells: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (4, 2), (6, 2))
     """(N, R) pairs: N needles, R asked (DIFF V1 Table 2)."""
     needle_depths: tuple[float, ...] = (0.0, 50.0, 100.0)
-    needle_samples: int = 12
+    needle_samples: int = 8
     """Samples per (depth, cell)."""
     needle_digits: int = 7
     """Digits of each needle's number (set it to the training mix's ``synthetic:needle``)."""
-    recall_episodes: int = 40
+    recall_episodes: int = 24
     """Associative-recall episodes, each asking every one of its queries."""
     recall_pairs: int = 8
     recall_queries: int = 8
