@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
@@ -248,7 +249,7 @@ def run_compare(options: CompareOptions) -> CompareResult:
     from diffattn.compare.evaluate import held_out_windows
     from diffattn.data import prepare_data
 
-    say = print if options.progress else (lambda *a, **k: None)
+    say = partial(print, flush=True) if options.progress else (lambda *a, **k: None)
     base, configs = plan_configs(options)
     jobs, threads = resolve_jobs(options.jobs, len(configs), str(base.device))
     out = Path(options.out)

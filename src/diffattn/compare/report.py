@@ -328,7 +328,7 @@ def write_report(
     if per_seed:
         lines += ["## Measurements (mean ± sd over seeds)", "", measurement_table(per_seed), ""]
         lines += [
-            "Held-out documents of the training mix; needles at the trained length on the "
+            "The trainer's validation stream; needles at the trained length on the "
             "synthetic haystack; attention shares are the last prompt token's attention on the "
             "answer needles and on the context outside every needle, divided by the row's total "
             "(a differential map sums to 1 − λ); |logit| pools both maps of DIFF.",
