@@ -53,7 +53,7 @@ def test_paired_by_seed_for_each_model_and_rendered_with_the_rule():
     assert verdicts["diff_v1", "needle"].verdict == "inconclusive"
     assert verdicts["diff_v2", "loss"].mean == pytest.approx(-0.1)
     table = claims_table(list(verdicts.values()))
-    assert "| lower validation loss | DIFF V1 Fig 3 | diff_v1 | DIFF < Transformer" in table
+    assert "| lower validation loss | DIFF V1 Fig 3 | — | diff_v1 | DIFF < Transformer" in table
     assert "Verdict rule" in table and "2 standard errors" in table
 
 

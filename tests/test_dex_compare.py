@@ -198,3 +198,15 @@ def test_settings_round_trip():
     settings = BenchmarkSettings.from_dict({"mc_limit": 7, "needle_lengths": [128, 256]})
     assert settings.needle_lengths == (128, 256)
     assert BenchmarkSettings.from_dict(settings.to_dict()) == settings
+
+
+def test_shipped_dex_recipes_load():
+    from pathlib import Path
+
+    from diffattn.dex.compare import load_recipe
+
+    recipes = sorted((Path(__file__).parent.parent / "configs" / "dex").glob("*.yaml"))
+    assert [p.name for p in recipes] == ["smollm2-smoke.yaml", "smollm2.yaml"]
+    for path in recipes:
+        recipe = load_recipe(path)
+        assert recipe["steps"] > 0 and recipe["benchmarks"] is not None

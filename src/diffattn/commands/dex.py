@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--recipe",
         default=None,
         help="YAML with steps, methods, set and benchmarks (mc, needle, icl on every model), "
-        "e.g. configs/dex-smollm2.yaml; --steps, --methods and --set override it",
+        "e.g. configs/dex/smollm2.yaml; --steps, --methods and --set override it",
     )
     compare.add_argument(
         "--overwrite", action="store_true", help="replace a non-empty --out as a whole"

@@ -15,7 +15,7 @@ zero-shot multiple choice, needle retrieval and the synthetic many-shot ICL task
 is trained (:mod:`diffattn.dex.benchmarks`); ``results.json`` then holds every raw result with
 the settings, the command and the versions, ``benchmarks.png`` the accuracies, and
 ``report.md`` the table and whether Dex beats LoRA r = 8. A recipe file
-(``configs/dex-smollm2.yaml``, :func:`load_recipe`) holds these settings.
+(``configs/dex/smollm2.yaml``, :func:`load_recipe`) holds these settings.
 """
 
 from __future__ import annotations
