@@ -100,7 +100,6 @@ def harness_setup(tmp_path_factory):
     return dirs, tasks, data, root
 
 
-@pytest.mark.slow  # the harness's task loading: about a minute per model on 2 CPU cores
 @pytest.mark.parametrize("kind", ["llama", "diff_v1"])
 def test_scores_equal_the_harness(harness_setup, kind, monkeypatch):
     import lm_eval
@@ -156,7 +155,6 @@ def test_shot_prompts_score_the_same_in_the_harness(harness_setup):
     assert [s.loglikelihood for s in ours] == pytest.approx([t[0] for t in theirs], rel=1e-5)
 
 
-@pytest.mark.slow
 def test_entry_point_runs_the_harness_on_our_models(harness_setup, tmp_path, monkeypatch):
     pytest.importorskip("lm_eval")
     from diffattn import dex
