@@ -135,30 +135,6 @@ def _plan_text(options: CompareOptions, base: Any) -> str:
     return yaml.safe_dump(plan, sort_keys=True)
 
 
-def _prepare_out_dir(out: Path, plan: str, overwrite: bool) -> None:
-    """The output-directory rule (:func:`diffattn.fileio.check_output_directory`): ``out``
-    is used when absent, empty or holding this same plan (``compare.yaml``); another
-    non-empty directory is refused unless ``overwrite``, which replaces it as a whole."""
-    from diffattn.fileio import check_output_directory, clear_output_directory
-
-    plan_file = out / PLAN_NAME
-    same = plan_file.is_file() and plan_file.read_text(encoding="utf-8") == plan
-    replace = check_output_directory(
-        out,
-        overwrite,
-        own=same and not overwrite,
-        option="--out",
-        hint="it holds other files or a comparison with different settings; choose "
-        "another --out or pass --overwrite to replace it",
-    )
-    if replace:
-        clear_output_directory(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = plan_file.with_suffix(".tmp")
-    tmp.write_text(plan, encoding="utf-8")
-    tmp.replace(plan_file)
-
-
 @dataclass
 class _Job:
     """One (attention, seed) run: train (or resume, or reuse), then measure."""
@@ -177,8 +153,9 @@ def _train_and_measure(job: _Job) -> tuple[int, dict[str, Any], float]:
     """Run ``job`` (in this process or a worker); returns (tokens, measurements, seconds)."""
     import torch
 
-    from diffattn.compare.evaluate import eval_device, evaluate_checkpoint
+    from diffattn.compare.evaluate import evaluate_checkpoint
     from diffattn.data import prepare_data
+    from diffattn.eval.common import resolve_device
     from diffattn.train import train
     from diffattn.train.checkpoint import latest_checkpoint
 
@@ -197,7 +174,7 @@ def _train_and_measure(job: _Job) -> tuple[int, dict[str, Any], float]:
             job.run_dir,
             job.eval_settings,
             job.held_out,
-            device=eval_device(job.config),
+            device=resolve_device(str(job.config.device)),
         )
     return int(result.tokens), evals, time.perf_counter() - started
 
@@ -248,12 +225,13 @@ def run_compare(options: CompareOptions) -> CompareResult:
     model, judge the claims and write the report."""
     from diffattn.compare.evaluate import held_out_windows
     from diffattn.data import prepare_data
+    from diffattn.fileio import use_plan_directory
 
     say = partial(print, flush=True) if options.progress else (lambda *a, **k: None)
     base, configs = plan_configs(options)
     jobs, threads = resolve_jobs(options.jobs, len(configs), str(base.device))
     out = Path(options.out)
-    _prepare_out_dir(out, _plan_text(options, base), options.overwrite)
+    use_plan_directory(out, PLAN_NAME, _plan_text(options, base), options.overwrite, "a comparison")
 
     started = time.perf_counter()
     say(f"diffattn compare: preparing data ({', '.join(base.data_config().sources)})")

@@ -244,16 +244,6 @@ def evaluate_checkpoint(
     return results
 
 
-def eval_device(config: Any) -> str:
-    """Where a run's model is measured: its training device (``auto``: CUDA when present)."""
-    import torch
-
-    device = str(getattr(config, "device", "cpu"))
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def _mean(values: Sequence[float]) -> float:
     finite = [v for v in values if not math.isnan(v)]
     return sum(finite) / len(finite) if finite else math.nan

@@ -12,6 +12,7 @@ output directory.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -359,3 +360,22 @@ def save_figure(fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """One JSON object per non-blank line (``.gz`` files decompressed)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}: line {number} is not JSON ({error.msg})") from error
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: line {number} is not a JSON object")
+            rows.append(row)
+    return rows

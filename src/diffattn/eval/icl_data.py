@@ -32,12 +32,13 @@ TREC's coarse codes to ``abbreviation``, ``entity``, ``description``, ``human``,
 
 from __future__ import annotations
 
-import gzip
 import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from diffattn.eval.common import read_jsonl
 
 SPLITS = ("train", "test")
 TEXT_FIELDS = ("text", "question", "query", "utterance", "sentence")
@@ -186,20 +187,6 @@ def synthetic_task(
 # --- files ------------------------------------------------------------------------------------
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    rows = []
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not a JSON object ({error.msg})") from None
-    return rows
-
-
 def _split_file(directory: Path, split: str) -> Path | None:
     for name in (f"{split}.jsonl", f"{split}.jsonl.gz"):
         if (directory / name).is_file():
@@ -242,7 +229,7 @@ def _jsonl_splits(directory: Path, spec: DatasetSpec) -> dict[str, list[Example]
         )
         if path is None:
             raise ValueError(f"--data {directory}: no {split}.jsonl")
-        splits[split] = _examples(_read_jsonl(path), spec, names, str(path))
+        splits[split] = _examples(read_jsonl(path), spec, names, str(path))
     return splits
 
 

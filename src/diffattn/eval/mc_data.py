@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
 import json
 import re
@@ -24,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from diffattn.eval.common import read_jsonl
 from diffattn.eval.mc_tasks import TASKS, Item, to_items
 
 SOURCES = ("auto", "olmo", "hub")
@@ -66,25 +66,6 @@ def read_arrow(path: str | Path, split: str = "validation") -> list[dict[str, An
                 source.seek(0)
                 tables.append(pa.ipc.open_file(source).read_all())
     return [row for table in tables for row in table.to_pylist()]
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """One JSON object per non-blank line (``.gz`` files decompressed)."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    rows = []
-    with opener(path, "rt", encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}: line {number} is not JSON ({error.msg})") from error
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {number} is not a JSON object")
-            rows.append(row)
-    return rows
 
 
 def is_request_file(rows: Sequence[dict[str, Any]]) -> bool:
