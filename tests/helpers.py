@@ -59,3 +59,22 @@ def tiny_model(kind: str, seed: int = 0) -> nn.Module:
     if kind in HF_KINDS:
         return tiny_hf(kind, seed)
     return tiny_diffattn("baseline" if kind == "diffattn" else kind, seed)
+
+
+WORDS = "alpha beta gamma delta epsilon zeta theta kappa sigma omega def return class".split()  # noqa: SIM905
+
+
+def word_corpus(root, paragraphs: int):
+    """A seeded corpus of ``paragraphs`` word paragraphs in ``root/corpus.txt`` and a 300-token
+    BPE trained on it: ``(corpus path, tokenizer)``."""
+    import random
+
+    from diffattn.data import train_bpe
+
+    rng = random.Random(0)
+    texts = [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 90))) for _ in range(paragraphs)
+    ]
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n\n".join(texts))
+    return corpus, train_bpe(texts, 300, cache_dir=root / "bpe")

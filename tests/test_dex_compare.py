@@ -5,7 +5,6 @@ multiple choice, needle retrieval and the synthetic many-shot ICL task."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -18,23 +17,13 @@ from diffattn.cli import main
 from diffattn.dex.benchmarks import BenchmarkSettings, verdict
 from diffattn.eval import mc
 from diffattn.eval.common import load_models
-from helpers import tiny_hf
-
-WORDS = "alpha beta gamma delta epsilon zeta theta kappa sigma omega def return class".split()  # noqa: SIM905
+from helpers import WORDS, tiny_hf, word_corpus
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from diffattn.data import train_bpe
-
     root = tmp_path_factory.mktemp("dex_compare")
-    rng = random.Random(0)
-    paragraphs = [
-        " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 90))) for _ in range(200)
-    ]
-    corpus = root / "corpus.txt"
-    corpus.write_text("\n\n".join(paragraphs))
-    tokenizer = train_bpe(paragraphs, 300, cache_dir=root / "bpe")
+    corpus, tokenizer = word_corpus(root, 200)
     model_dir = root / "llama"
     tiny_hf("llama", vocab_size=tokenizer.vocab_size, max_position_embeddings=512).save_pretrained(
         model_dir

@@ -7,7 +7,6 @@ vocabulary is a tiny BPE trained on a fixture corpus, saved with the model direc
 from __future__ import annotations
 
 import json
-import random
 import shutil
 
 import pytest
@@ -33,23 +32,15 @@ from diffattn.dex.train import (
 )
 from diffattn.train import read_metrics
 from diffattn.train.trainer import FACTORY_STATE_NAME
+from helpers import word_corpus
 
-WORDS = ("alpha beta gamma delta epsilon zeta theta kappa sigma omega def return class").split()  # noqa: SIM905
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from diffattn.data import train_bpe
-
     root = tmp_path_factory.mktemp("dex_train")
-    rng = random.Random(0)
-    paragraphs = [
-        " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 90))) for _ in range(300)
-    ]
-    corpus = root / "corpus.txt"
-    corpus.write_text("\n\n".join(paragraphs))
-    tokenizer = train_bpe(paragraphs, 300, cache_dir=root / "bpe")
+    corpus, tokenizer = word_corpus(root, 300)
     model_dir = root / "llama"
     torch.manual_seed(0)
     config = LlamaConfig(
