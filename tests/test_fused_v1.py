@@ -3,13 +3,16 @@ k1, k2, v and λ over odd lengths, padding, GQA, KV-cache offsets and custom mas
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from diffattn import DiffTransformerLM
-from diffattn.attention import kernels, registry
+from diffattn.attention import cpu_kernel, kernels, registry
 from diffattn.attention.backends import fused
 from diffattn.attention.backends.reference import differential_rows
 from diffattn.attention.backends.sdpa import sdpa_diff_v1
@@ -74,10 +77,26 @@ def _assert_matches_reference(inputs, mask, tol=1e-5, backend="fused"):
         assert _rel(g, g_ref, scale) <= tol, name
 
 
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch):
-    """Blocks of 16 query rows, so lengths 7 and 129 cover one and several blocks."""
+@pytest.fixture(autouse=True, params=["compiled", "blocked"])
+def kernel_path(request, monkeypatch):
+    """Every test runs on both CPU paths of the backend: the compiled kernel (tiles of 4 rows,
+    so lengths 7 and 129 cover one and many tiles, GQA groups split across tiles) and the
+    blocked PyTorch path (blocks of 16 query rows)."""
+    if request.param == "compiled":
+        reason = cpu_kernel.unavailable()
+        if reason is not None and not _compiler_expected():
+            pytest.skip(f"compiled CPU kernel unavailable: {reason}")
+        monkeypatch.setattr(cpu_kernel, "TILE_ROWS", 4)
+    else:
+        monkeypatch.setattr(fused, "USE_COMPILED", False)
     monkeypatch.setattr(fused, "BLOCK_ELEMENTS", 1)
+    return request.param
+
+
+def _compiler_expected() -> bool:
+    """A C++ compiler and ninja are on PATH (as on every CI machine): the kernel must build."""
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    return compiler is not None and shutil.which("ninja") is not None
 
 
 SHAPES = [(1, "none")] + [(n, pad) for n in (7, 129) for pad in ("none", "left", "right", "holes")]
@@ -219,7 +238,9 @@ def test_compiled_static_cache_decoding_on_fused_matches_eager():
     assert torch.equal(compiled.sequences, eager.sequences)
 
 
-def test_blocks_on_worker_threads_equal_blocks_in_order(monkeypatch):
+def test_blocks_on_worker_threads_equal_blocks_in_order(monkeypatch, kernel_path):
+    if kernel_path == "compiled":
+        pytest.skip("blocked path only")
     inputs = _inputs(2, 4, 2, 129, 129)
     mask = AttentionMask(key_padding=_padding("left", 2, 129))
     weight = torch.randn(2, 4, 129, 2 * D)
@@ -235,3 +256,49 @@ def test_blocks_on_worker_threads_equal_blocks_in_order(monkeypatch):
     torch.testing.assert_close(out_threads, out, rtol=0, atol=0)
     for g, g_ref in zip(grads_threads, grads, strict=True):
         assert _rel(g, g_ref) <= 1e-6
+
+
+def test_compiled_kernel_builds_where_a_compiler_is(kernel_path):
+    """Where a compiler is present the fast path must not fall back silently."""
+    if kernel_path == "blocked":
+        pytest.skip("checked once")
+    if not _compiler_expected():
+        pytest.skip("no C++ compiler or ninja on PATH")
+    assert cpu_kernel.unavailable() is None
+
+
+def test_compiled_kernel_can_be_switched_off(monkeypatch, kernel_path):
+    if kernel_path == "blocked":
+        pytest.skip("checked once")
+    monkeypatch.setenv(cpu_kernel.ENV_SWITCH, "0")
+    assert "switched off" in cpu_kernel.unavailable()
+    assert not fused._compiled_kernel_for(torch.randn(1, 1, 2, 4), AttentionMask())
+
+
+@pytest.mark.parametrize("tile_rows", [1, 3, 64])
+def test_compiled_kernel_tiles_and_threads_agree(monkeypatch, kernel_path, tile_rows):
+    """Any tile size and thread count gives the same result; a fixed thread count gives the
+    same bits twice (key-side gradients are summed per thread list in a fixed order)."""
+    if kernel_path == "blocked":
+        pytest.skip("compiled path only")
+    inputs = _inputs(2, 6, 2, 129, 129)
+    mask = AttentionMask(key_padding=_padding("holes", 2, 129))
+    weight = torch.randn(2, 6, 129, 2 * D)
+    monkeypatch.setattr(cpu_kernel, "TILE_ROWS", 4)
+    out_ref, grads_ref = _outputs_and_grads("fused", inputs, mask, weight)
+    monkeypatch.setattr(cpu_kernel, "TILE_ROWS", tile_rows)
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n_threads in (1, 2, 2):
+            torch.set_num_threads(n_threads)
+            runs.append(_outputs_and_grads("fused", inputs, mask, weight))
+    finally:
+        torch.set_num_threads(threads)
+    for out, grads in runs:
+        assert _rel(out, out_ref) <= 1e-6
+        for g, g_ref in zip(grads, grads_ref, strict=True):
+            assert _rel(g, g_ref) <= 1e-5
+    (out_a, grads_a), (out_b, grads_b) = runs[1], runs[2]
+    assert torch.equal(out_a, out_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))

@@ -1,5 +1,10 @@
-"""``fused``: DIFF V1 (Eq.1) with each map's QKᵀ at width d and V read once, blocked over query
-rows, with a hand-written backward; baseline and DIFF V2 calls run on ``sdpa``.
+"""``fused``: DIFF V1 (Eq.1) with each map's QKᵀ at width d and V read once, with a
+hand-written backward; baseline and DIFF V2 calls run on ``sdpa``.
+
+CPU calls with the causal/padding mask run on the compiled kernel of
+:mod:`~diffattn.attention.cpu_kernel` (flash-style tiles in C++, at the speed of PyTorch's own
+flash attention). Everything else (other devices, full custom masks, a machine where the kernel
+cannot be built) runs on the blocked PyTorch formulation below, the same algorithm in torch ops.
 
 **Algorithm.** Query rows are taken in blocks of ``R`` rows (all heads and batch rows at once).
 A block whose last query may read keys ``[0, e)`` (causal masking: ``e = row_end + offset``)
@@ -52,15 +57,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from diffattn.attention import cpu_kernel
 from diffattn.attention.backends.reference import differential_rows
 from diffattn.attention.backends.sdpa import sdpa_attention
 from diffattn.attention.mask import AttentionMask
-from diffattn.attention.registry import Backend, compose_v2, register_backend
+from diffattn.attention.registry import Backend, compose_v2, log_once, register_backend
 
 BLOCK_ELEMENTS = 1 << 20
 """Target size of one block map (rows × keys × heads × batch) in elements: 4 MiB in fp32,
 small enough to stay in the last-level cache while elementwise passes run over it."""
 MIN_BLOCK_ROWS = 16
+USE_COMPILED = True
+"""Run CPU calls on the compiled kernel when it builds; ``False`` forces the blocked path."""
 PARALLEL_BLOCKS = True
 """Run blocks on worker threads (see :func:`_in_workers`); ``False`` runs them in order."""
 
@@ -145,11 +153,24 @@ def _forward(q1s, q2s, k1, k2, v, lam: float, blocks: _Blocks) -> torch.Tensor:
     return out
 
 
+def balanced_parts(items: list, workers: int) -> list[list]:
+    """Split blocks ``(start, stop, key_end)`` into ``workers`` parts of near-equal work
+    (``rows × key_end``): longest block first to the least-loaded part. Under causal masking
+    block costs grow with the row, so a plain interleaved split leaves one worker idle at the
+    end. Deterministic; each part keeps its blocks in row order."""
+    parts: list[list] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for item in sorted(items, key=lambda b: ((b[1] - b[0]) * b[2], -b[0]), reverse=True):
+        i = loads.index(min(loads))
+        parts[i].append(item)
+        loads[i] += (item[1] - item[0]) * item[2]
+    return [sorted(part) for part in parts]
+
+
 def _in_workers(run, items: list) -> list:
-    """``run(part)`` for interleaved parts of ``items``: one Python thread per intra-op thread,
-    each running its blocks single-threaded (ops release the GIL), the coarse-grained
-    parallelism of fused kernels; many small multi-threaded ops are several times slower on a
-    busy machine. Returns the results in part order."""
+    """``run(part)`` for balanced parts of ``items`` (:func:`balanced_parts`): one Python
+    thread per intra-op thread, each running its blocks single-threaded (ops release the GIL),
+    the coarse-grained parallelism of fused kernels. Returns the results in part order."""
     workers = min(torch.get_num_threads(), len(items))
     if workers <= 1 or not PARALLEL_BLOCKS:
         with torch.no_grad():
@@ -163,7 +184,7 @@ def _in_workers(run, items: list) -> list:
 
     try:
         with ThreadPoolExecutor(workers) as pool:
-            return list(pool.map(single, [items[i::workers] for i in range(workers)]))
+            return list(pool.map(single, balanced_parts(items, workers)))
     finally:
         torch.set_num_threads(threads)
 
@@ -206,34 +227,102 @@ def _backward(grad, q1s, q2s, k1, k2, v, lam: float, scale: float, blocks: _Bloc
     return dq1, dq2, dk1, dk2, dv, dlam
 
 
+def _compiled_kernel_for(q: torch.Tensor, mask: AttentionMask) -> bool:
+    """Whether a call runs on the compiled CPU kernel (:mod:`~diffattn.attention.cpu_kernel`):
+    CPU tensors, the causal/padding mask rule (not a full custom mask), and the kernel built."""
+    if q.device.type != "cpu" or mask.allowed is not None or not USE_COMPILED:
+        return False
+    reason = cpu_kernel.unavailable()
+    if reason is not None:
+        log_once(
+            "fused",
+            "diff_v1",
+            f"compiled CPU kernel unavailable ({reason}); running the blocked PyTorch path",
+        )
+        return False
+    return True
+
+
+def _rows_of(x: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """``(B, H, N, w)`` → the compiled kernel's ``(B, H_kv, N·rep, w)`` rows, contiguous."""
+    grouped = _group(x, n_kv)
+    return grouped.view(grouped.shape[0], n_kv, -1, grouped.shape[-1])
+
+
+def _unrows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`_rows_of`."""
+    bsz, n_kv, rows, w = x.shape
+    return _ungroup(x.view(bsz, n_kv, n, rows // n, w))
+
+
 class _FusedDiffV1(torch.autograd.Function):
-    """Eq.1 forward and its hand-written backward (recomputed per block)."""
+    """Eq.1 forward and its hand-written backward: the compiled CPU kernel when it can run,
+    else the blocked PyTorch path (both recompute the maps in backward)."""
 
     @staticmethod
     def forward(ctx, q1, q2, k1, k2, v, lam, mask, scale):
         n_kv = k1.shape[1]
         bsz, h, n, _ = q1.shape
+        lam_value = float(lam)
+        ctx.scale, ctx.lam_value, ctx.lam_dtype, ctx.mask = scale, lam_value, lam.dtype, mask
+        ctx.compiled = _compiled_kernel_for(q1, mask)
+        k1f, k2f, vf = (t.float().contiguous() for t in (k1, k2, v))
+        if ctx.compiled:
+            padding = None if mask.key_padding is None else mask.key_padding.to(torch.uint8)
+            out, lse1, lse2 = cpu_kernel.forward(
+                _rows_of(q1.float() * scale, n_kv),
+                _rows_of(q2.float() * scale, n_kv),
+                k1f,
+                k2f,
+                vf,
+                lam_value,
+                h // n_kv,
+                int(mask.query_offset),
+                padding,
+            )
+            ctx.save_for_backward(q1, q2, k1, k2, v, lse1, lse2)
+            ctx.padding = padding
+            return _unrows(out, n).to(q1.dtype)
         blocks = _Blocks(mask, bsz, h, n, k1.shape[2])
         q1s, q2s = (_group(q.float() * scale, n_kv) for q in (q1, q2))
-        k1f, k2f, vf = k1.float(), k2.float(), v.float()
-        lam_value = float(lam)
         out = _ungroup(_forward(q1s, q2s, k1f, k2f, vf, lam_value, blocks))
         ctx.save_for_backward(q1, q2, k1, k2, v)
-        ctx.blocks, ctx.scale, ctx.lam_value, ctx.lam_dtype = blocks, scale, lam_value, lam.dtype
+        ctx.blocks = blocks
         return out.to(q1.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q1, q2, k1, k2, v = ctx.saved_tensors
-        n_kv, scale = k1.shape[1], ctx.scale
-        q1s, q2s = (_group(q.float() * scale, n_kv) for q in (q1, q2))
-        grad = _group(grad_out.float(), n_kv)
-        dq1, dq2, dk1, dk2, dv, dlam = _backward(
-            grad, q1s, q2s, k1.float(), k2.float(), v.float(), ctx.lam_value, scale, ctx.blocks
-        )
+        q1, q2, k1, k2, v = ctx.saved_tensors[:5]
+        n_kv, scale, n = k1.shape[1], ctx.scale, q1.shape[2]
+        k1f, k2f, vf = (t.float().contiguous() for t in (k1, k2, v))
+        if ctx.compiled:
+            lse1, lse2 = ctx.saved_tensors[5:]
+            dq1, dq2, dk1, dk2, dv, dlam = cpu_kernel.backward(
+                _rows_of(grad_out.float(), n_kv),
+                _rows_of(q1.float() * scale, n_kv),
+                _rows_of(q2.float() * scale, n_kv),
+                k1f,
+                k2f,
+                vf,
+                lse1,
+                lse2,
+                ctx.lam_value,
+                scale,
+                q1.shape[1] // n_kv,
+                int(ctx.mask.query_offset),
+                ctx.padding,
+            )
+            dq1, dq2 = _unrows(dq1, n), _unrows(dq2, n)
+        else:
+            q1s, q2s = (_group(q.float() * scale, n_kv) for q in (q1, q2))
+            grad = _group(grad_out.float(), n_kv)
+            dq1, dq2, dk1, dk2, dv, dlam = _backward(
+                grad, q1s, q2s, k1f, k2f, vf, ctx.lam_value, scale, ctx.blocks
+            )
+            dq1, dq2 = _ungroup(dq1), _ungroup(dq2)
         return (
-            _ungroup(dq1).to(q1.dtype),
-            _ungroup(dq2).to(q2.dtype),
+            dq1.to(q1.dtype),
+            dq2.to(q2.dtype),
             dk1.to(k1.dtype),
             dk2.to(k2.dtype),
             dv.to(v.dtype),
