@@ -113,37 +113,9 @@ def forward(q1s, q2s, k1, k2, v, lam: float, rep: int, offset: int, key_padding)
     )
 
 
-def backward(
-    grad,
-    q1s,
-    q2s,
-    k1,
-    k2,
-    v,
-    lse1,
-    lse2,
-    lam: float,
-    scale: float,
-    rep: int,
-    offset: int,
-    key_padding,
-):
-    """``[dq1s, dq2s, dk1, dk2, dv, dλ]`` in the layouts of :func:`forward` (dq for the
-    pre-scaled queries' rows, already multiplied by ``scale``: the gradient of the unscaled
-    ones); dλ is a 0-d fp64 tensor."""
-    return torch.ops.diffattn_cpu.diff_v1_backward(
-        grad,
-        q1s,
-        q2s,
-        k1,
-        k2,
-        v,
-        lse1,
-        lse2,
-        lam,
-        scale,
-        rep,
-        offset,
-        key_padding,
-        tile_positions(rep),
-    )
+def backward(tensors: tuple, lam: float, scale: float, rep: int, offset: int, key_padding):
+    """``[dq1s, dq2s, dk1, dk2, dv, dλ]`` for ``tensors = (dO rows, q1s, q2s, k1, k2, v, lse1,
+    lse2)`` in the layouts of :func:`forward` (dq already multiplied by ``scale``: the gradient
+    of the unscaled queries); dλ is a 0-d fp64 tensor."""
+    op = torch.ops.diffattn_cpu.diff_v1_backward
+    return op(*tensors, lam, scale, rep, offset, key_padding, tile_positions(rep))

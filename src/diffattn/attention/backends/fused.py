@@ -296,22 +296,14 @@ class _FusedDiffV1(torch.autograd.Function):
         n_kv, scale, n = k1.shape[1], ctx.scale, q1.shape[2]
         k1f, k2f, vf = (t.float().contiguous() for t in (k1, k2, v))
         if ctx.compiled:
-            lse1, lse2 = ctx.saved_tensors[5:]
-            dq1, dq2, dk1, dk2, dv, dlam = cpu_kernel.backward(
-                _rows_of(grad_out.float(), n_kv),
-                _rows_of(q1.float() * scale, n_kv),
-                _rows_of(q2.float() * scale, n_kv),
-                k1f,
-                k2f,
-                vf,
-                lse1,
-                lse2,
-                ctx.lam_value,
-                scale,
-                q1.shape[1] // n_kv,
-                int(ctx.mask.query_offset),
-                ctx.padding,
+            rows = (
+                _rows_of(t, n_kv)
+                for t in (grad_out.float(), q1.float() * scale, q2.float() * scale)
             )
+            dq1, dq2, dk1, dk2, dv, dlam = cpu_kernel.backward(
+                (*rows, k1f, k2f, vf, *ctx.saved_tensors[5:]), ctx.lam_value, scale,
+                q1.shape[1] // n_kv, int(ctx.mask.query_offset), ctx.padding,
+            )  # fmt: skip
             dq1, dq2 = _unrows(dq1, n), _unrows(dq2, n)
         else:
             q1s, q2s = (_group(q.float() * scale, n_kv) for q in (q1, q2))

@@ -42,6 +42,14 @@ void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const fl
   sgemm_(&ta, &tb, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
 }
 
+// Adds the lanes of `acc` to `total` and clears `acc` (long rows are summed in double).
+void flush(Vec& acc, double& total) {
+  float lanes[Vec::size()];
+  acc.store(lanes);
+  for (int l = 0; l < Vec::size(); ++l) total += lanes[l];
+  acc = Vec(0.f);
+}
+
 float row_max(const float* x, int n) {
   constexpr int W = Vec::size();
   float best = kNegInf;
@@ -68,16 +76,9 @@ double exp_inplace(float* x, int n, float shift) {
     Vec e = (Vec::loadu(x + j) - s).exp();
     e.store(x + j);
     acc = acc + e;
-    if (((j / W) & 63) == 63) {  // flush to double every 512 lanes
-      float lanes[W];
-      acc.store(lanes);
-      for (int l = 0; l < W; ++l) total += lanes[l];
-      acc = Vec(0.f);
-    }
+    if (((j / W) & 63) == 63) flush(acc, total);  // every 64 vectors
   }
-  float lanes[W];
-  acc.store(lanes);
-  for (int l = 0; l < W; ++l) total += lanes[l];
+  flush(acc, total);
   for (; j < n; ++j) {
     x[j] = std::exp(x[j] - shift);
     total += x[j];
@@ -92,16 +93,9 @@ double row_dot(const float* a, const float* b, int n) {
   double total = 0.0;
   for (; j + W <= n; j += W) {
     acc = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(b + j), acc);
-    if (((j / W) & 63) == 63) {
-      float lanes[W];
-      acc.store(lanes);
-      for (int l = 0; l < W; ++l) total += lanes[l];
-      acc = Vec(0.f);
-    }
+    if (((j / W) & 63) == 63) flush(acc, total);
   }
-  float lanes[W];
-  acc.store(lanes);
-  for (int l = 0; l < W; ++l) total += lanes[l];
+  flush(acc, total);
   for (; j < n; ++j) total += static_cast<double>(a[j]) * b[j];
   return total;
 }
