@@ -196,6 +196,8 @@ def test_flop_bound_v1_over_baseline():
     base, v1 = _paper_configs(1365)
     assert flops.throughput_bound(v1, base, 2048, "qk_once") == pytest.approx(0.91, abs=0.01)
     assert flops.throughput_bound(v1, base, 2048, "two_call") == pytest.approx(0.83, abs=0.01)
+    assert flops.throughput_bound(v1, base, 2048, "v_once") == 1.0
+    assert flops.v1_form_for_kernel("fused") == "v_once"
 
 
 def test_flop_counts_match_the_design_formula():
@@ -206,6 +208,7 @@ def test_flop_counts_match_the_design_formula():
     assert flops.flops_per_token(base, n).forward == 4 * (linear + 2 * n * d) + head
     assert flops.flops_per_token(v1, n).forward == 4 * (linear + 3 * n * d) + head
     assert flops.flops_per_token(v1, n, "two_call").forward == 4 * (linear + 4 * n * d) + head
+    assert flops.flops_per_token(v1, n, "v_once").forward == 4 * (linear + 2 * n * d) + head
     count = flops.flops_per_token(base, n)
     assert count.training == pytest.approx(3 * count.forward)
 

@@ -11,6 +11,8 @@ an ``m``-wide input into ``n`` outputs costs ``2·m·n`` FLOPs per token):
   - baseline: ``n_heads`` heads of width d: ``2·N·n_heads·d`` (= ``2·N·d_model``).
   - DIFF V1, QK once (each map against the full 2d-wide V): ``n_heads/2`` heads with two
     maps each, ``2·(N·d) + 2·(N·2d)``: ``3·N·n_heads·d``.
+  - DIFF V1, V once (``(P1 − λ·P2)·V`` as one product; the ``fused`` and ``triton``
+    kernels): ``n_heads/2`` heads, ``2·(N·d) + N·2d`` each: ``2·N·n_heads·d``, the baseline's.
   - DIFF V1, split-V two-call form (each map once per d-wide half of V, so QKᵀ is computed
     twice; HF DiffLlama), which costs the same as QKᵀ on Q and K zero-padded to 2d (the
     ``sdpa`` and ``flash`` backends): ``4·N·n_heads·d``.
@@ -31,8 +33,8 @@ from typing import Literal
 
 from diffattn.config import ModelConfig
 
-V1Form = Literal["qk_once", "two_call"]
-V1_FORMS: tuple[str, ...] = ("qk_once", "two_call")
+V1Form = Literal["qk_once", "v_once", "two_call"]
+V1_FORMS: tuple[str, ...] = ("qk_once", "v_once", "two_call")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ def attention_flops_for_keys(
     pairs = config.n_heads // 2  # DIFF V1 differential heads, two maps each, V of width 2d
     if v1_form == "qk_once":
         return pairs * 2 * (per_map + 2.0 * (2 * d) * keys)
+    if v1_form == "v_once":
+        return pairs * (2 * per_map + 2.0 * (2 * d) * keys)
     return pairs * 2 * 2 * (per_map + 2.0 * d * keys)  # one call per map and V half
 
 
@@ -132,6 +136,10 @@ def throughput_bound(
 
 
 def v1_form_for_kernel(kernel: str) -> V1Form:
-    """How DIFF V1's FLOPs count on a resolved kernel: ``sdpa`` and ``flash`` zero-pad Q and K
-    to V's 2d width, which costs what the split-V two-call form costs."""
+    """How DIFF V1's FLOPs count on a resolved kernel: ``fused`` and ``triton`` compute
+    ``(P1 − λ·P2)·V`` as one product; ``reference`` runs two softmax calls against the full V;
+    ``sdpa`` and ``flash`` zero-pad Q and K to V's 2d width, which costs what the split-V
+    two-call form costs."""
+    if kernel in ("fused", "triton"):
+        return "v_once"
     return "qk_once" if kernel == "reference" else "two_call"

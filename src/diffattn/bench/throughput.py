@@ -708,10 +708,12 @@ def _report(records, configs, candidates, args) -> str:
     for n in lengths_of(args):
         once = throughput_bound(v1, base, n, "qk_once")
         two = throughput_bound(v1, base, n, "two_call")
+        v_once = throughput_bound(v1, base, n, "v_once")
         out.append(
-            f"FLOP bound DIFF V1 / baseline at N={n}, d_ff={base.ffn_dim}: {once:.3f} with QK "
-            f"once (reference), {two:.3f} with QKᵀ at width 2d (sdpa and flash, which zero-pad "
-            "Q/K to V's width) or the split-V two-call form (HF DiffLlama)"
+            f"FLOP bound DIFF V1 / baseline at N={n}, d_ff={base.ffn_dim}: {v_once:.3f} with V "
+            f"read once (fused, triton: the baseline's attention FLOPs), {once:.3f} with QK once "
+            f"and a PV per map (reference), {two:.3f} with QKᵀ at width 2d (sdpa and flash, which "
+            "zero-pad Q/K to V's width) or the split-V two-call form (HF DiffLlama)"
         )
     by_name = {c.name: c for c in candidates}
     if "hf_diffllama" in by_name:
