@@ -123,6 +123,7 @@ def test_reference_rows_have_ratio_one(records):
         if r["attention"] in ("baseline", "hf_llama"):
             assert r["ratio_to_baseline"] == pytest.approx(1.0)
             assert r["best_ratio_to_baseline"] == pytest.approx(1.0)
+            assert r["paired_ratio_to_baseline"] == pytest.approx(1.0)
 
 
 def test_parameter_counts_are_matched(records):
@@ -335,3 +336,13 @@ def test_cross_ratios_compare_ours_with_the_hf_rows(records):
     rows = {(r["attention"], r["mode"]): r for r in records}
     ratio = rows["baseline", "fwd"]["tokens_per_s"] / rows["hf_llama", "fwd"]["tokens_per_s"]
     assert f"baseline / hf_llama {ratio:.3f}" in next(line for line in lines if " fwd N" in line)
+
+
+def test_paired_ratio_cancels_a_drift_of_load():
+    """Both models slow down alike over the run: the paired ratio sees the constant 2×."""
+    from diffattn.bench.throughput import paired_ratio
+
+    ref = [1.0, 2.0, 4.0, 8.0, 16.0]
+    slow = [2 * t for t in ref]
+    assert paired_ratio(slow, ref) == pytest.approx(0.5)
+    assert paired_ratio(ref, ref) == 1.0

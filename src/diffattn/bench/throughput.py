@@ -86,6 +86,7 @@ RECORD_FIELDS: dict[str, type | tuple[type, ...]] = {
     "params": int,
     "ratio_to_baseline": float,
     "best_ratio_to_baseline": float,
+    "paired_ratio_to_baseline": float,
     "mem_ratio_to_baseline": float,
     "ratio_reference": str,
     "flop_bound": float,
@@ -549,6 +550,12 @@ def _spread(seconds: list[float]) -> float:
     return (max(seconds) - min(seconds)) / statistics.median(seconds)
 
 
+def paired_ratio(seconds: list[float], reference_seconds: list[float]) -> float:
+    """Median over repetitions of ``reference time / time`` within the same repetition: the
+    two runs of a pair are seconds apart, so slow drifts of the machine's load cancel."""
+    return statistics.median(r / s for s, r in zip(seconds, reference_seconds, strict=True))
+
+
 def _records(candidates, mode, seq_len, times, peaks, args, mem_seq_len) -> list[dict[str, Any]]:
     decode = mode == "decode"
     new = args.new_tokens if decode else 1
@@ -576,6 +583,7 @@ def _records(candidates, mode, seq_len, times, peaks, args, mem_seq_len) -> list
                 "params": c.params,
                 "ratio_to_baseline": speed[c.name] / speed[c.reference],
                 "best_ratio_to_baseline": best[c.name] / best[c.reference],
+                "paired_ratio_to_baseline": paired_ratio(times[c.name], times[c.reference]),
                 "mem_ratio_to_baseline": peaks[c.name] / max(peaks[c.reference], 1),
                 "ratio_reference": c.reference,
                 "flop_bound": bound,
@@ -624,7 +632,7 @@ def format_table(records: list[dict[str, Any]], mode: str, seq_len: int | None =
     with_mfu = any(r["mfu"] is not None for r in rows)
     head = (
         f"{'model':<13} {'kernel':<7} {'params':>12} {'tokens/s':>11} {'spread':>7} "
-        f"{'x ref':>6} {'best':>6} {'FLOP bound':>10} {'peak mem':>13} {'x ref':>6}"
+        f"{'x ref':>6} {'paired':>6} {'best':>6} {'FLOP bound':>10} {'peak mem':>13} {'x ref':>6}"
         + (f" {'MFU':>6}" if with_mfu else "")
         + "  ref"
     )
@@ -633,7 +641,7 @@ def format_table(records: list[dict[str, Any]], mode: str, seq_len: int | None =
         lines.append(
             f"{r['attention']:<13} {r['kernel']:<7} {r['params']:>12,} "
             f"{r['tokens_per_s']:>11,.1f} {r['spread']:>7.0%} {r['ratio_to_baseline']:>6.3f} "
-            f"{r['best_ratio_to_baseline']:>6.3f} "
+            f"{r['paired_ratio_to_baseline']:>6.3f} {r['best_ratio_to_baseline']:>6.3f} "
             f"{r['flop_bound']:>10.3f} {format_bytes(r['peak_mem_bytes']):>13} "
             f"{r['mem_ratio_to_baseline']:>6.3f}"
             + (f" {r['mfu']:>6.1%}" if with_mfu else "")
@@ -672,7 +680,10 @@ def cross_ratios(records: list[dict[str, Any]]) -> list[str]:
                 a, b = rows[ours, mode, n], rows[theirs, mode, n]
                 median = a["tokens_per_s"] / b["tokens_per_s"]
                 best = min(b["seconds"]) / min(a["seconds"])
-                parts.append(f"{ours} / {theirs} {median:.3f} (best {best:.3f})")
+                paired = paired_ratio(a["seconds"], b["seconds"])
+                parts.append(
+                    f"{ours} / {theirs} {median:.3f} (paired {paired:.3f}, best {best:.3f})"
+                )
         if parts:
             lines.append(f"across code bases, {mode} N={n}: " + "; ".join(parts))
     return lines
@@ -690,8 +701,9 @@ def _report(records, configs, candidates, args) -> str:
         f"threads), {args.dtype}, backend {args.backend}; torch {torch.__version__}",
         f"tokens/s = batch*N (decode: batch*new tokens) / median of {args.steps} interleaved "
         f"runs (after {args.warmup} warmup); spread = (slowest - fastest) / median run; "
-        "'x ref' = ratio to the row named in 'ref'; 'best' = the same ratio of the fastest "
-        "runs (less sensitive to other load on the machine)",
+        "'x ref' = ratio to the row named in 'ref'; 'paired' = median over repetitions of the "
+        "ratio within each repetition (slow drifts of load cancel); 'best' = the same ratio "
+        "of the fastest runs (less sensitive to other load on the machine)",
         MEMORY_NOTE[args.device]
         + (f"; fwd and fwd+bwd memory measured at N={mem_n}" if mem_n else ""),
         "FLOP bound = FLOPs(ref) / FLOPs(model) per token as each kernel computes them: the "
