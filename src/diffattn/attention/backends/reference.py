@@ -47,16 +47,20 @@ def differential_rows(
     """
     bsz, h, n, d = q1.shape
     n_kv, s = k1.shape[1], k1.shape[2]
+    rep = h // n_kv
     allowed = mask.dense(n, s, q1.device)[:, :, None]  # (B|1, 1, 1, N, S)
 
     def probs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        grouped = q.float().reshape(bsz, n_kv, h // n_kv, n, d) * scale
-        scores = torch.matmul(grouped, k.float()[:, :, None].transpose(-1, -2))
-        return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        # the group's query heads as rows of one (rep·N) × S product per KV head: a plain
+        # batched matmul against K's transposed view (a broadcast matmul would copy K)
+        rows = q.float().reshape(bsz, n_kv, rep * n, d) * scale
+        scores = torch.matmul(rows, k.float().transpose(-1, -2))
+        scores = scores.view(bsz, n_kv, rep, n, s).masked_fill(~allowed, float("-inf"))
+        return torch.softmax(scores, dim=-1)
 
     p = probs(q1, k1) - lam.float() * probs(q2, k2)
-    out = torch.matmul(p, v.float()[:, :, None])
-    return out.reshape(bsz, h, n, v.shape[-1]).to(q1.dtype)
+    out = torch.matmul(p.view(bsz, n_kv, rep * n, s), v.float())
+    return out.view(bsz, h, n, v.shape[-1]).to(q1.dtype)
 
 
 def _softmax(q, k, v, mask, scale):
