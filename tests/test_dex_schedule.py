@@ -127,3 +127,27 @@ def test_hf_trainer_callback_in_a_real_trainer(tmp_path):
     assert dex.get_step(model) == 2  # one per optimizer step, not per micro batch
     assert dex.lambdas(model)[0] == pytest.approx(eq4(2, 3, 0.2, 0.0), abs=1e-3)
     assert not math.isnan(dex.lambdas(model)[1])
+
+
+def test_cached_lambda_follows_every_change_of_its_buffers():
+    """λ(t) is computed from cached schedule coefficients; stepping, reloading the buffers or
+    moving the module gives the value and gradient of Eq.4 evaluated afresh."""
+    from diffattn.dex.layer import DexHeads
+    from diffattn.dex.schedule import lambda_schedule
+
+    heads = DexHeads(0, 4, 8, [1, 2], lambda_init=0.3, anneal_steps=10, lambda_learn_init=0.6)
+
+    def fresh():
+        return lambda_schedule(heads.step, heads.anneal_steps, heads.lambda_init, 0.6)
+
+    for _ in range(12):
+        assert torch.allclose(heads.lam(), fresh(), rtol=0, atol=1e-7)
+        heads.step += 1
+    heads.load_state_dict({**heads.state_dict(), "step": torch.tensor(3)})
+    assert torch.allclose(heads.lam(), fresh(), rtol=0, atol=1e-7)
+    heads.anneal_steps.fill_(0)  # no annealing: λ = λ_learn
+    assert heads.lam().item() == pytest.approx(0.6)
+    heads.to(torch.float64)  # new buffer tensors
+    assert heads.lam().item() == pytest.approx(0.6)
+    heads.lam().backward()
+    assert heads.lambda_learn.grad.item() == pytest.approx(1.0)

@@ -658,7 +658,7 @@ def _mode_title(mode: str, seq_len: int, args: argparse.Namespace) -> str:
     caches = "ours: static cache" + (", torch.compile(fullgraph=True)" if args.compile else "")
     return (
         f"{args.new_tokens} greedy one-token steps after a {seq_len}-token prompt "
-        f"(prefill untimed; {caches}; HF: its dynamic cache)"
+        f"(prefill untimed; {caches}; HF: its StaticCache)"
     )
 
 

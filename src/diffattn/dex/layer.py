@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffattn.dex.schedule import lambda_schedule
+from diffattn.dex.schedule import lambda_schedule, schedule_coefficients
 
 WDInit = str | float
 
@@ -96,10 +96,27 @@ class DexHeads(nn.Module):
         return [int(h) for h in self.heads.tolist()]
 
     def lam(self) -> torch.Tensor:
-        """λ(t) of Eq.4 at the current step, a 0-d fp32 tensor (differentiable in λ_learn)."""
-        return lambda_schedule(
-            self.step, self.anneal_steps, self.lambda_init, self.lambda_learn.float()
-        )
+        """λ(t) of Eq.4 at the current step, a 0-d fp32 tensor (differentiable in λ_learn).
+
+        Eq.4 is ``offset(t) + α(t)·λ_learn`` with coefficients that depend on the buffers
+        only; they are computed once per change of ``step``, ``anneal_steps`` or
+        ``lambda_init`` (tracked by tensor identity and version counter), so a forward costs
+        one fused multiply-add here instead of a dozen small ops.
+        """
+        learn = self.lambda_learn.float()
+        if torch.compiler.is_compiling():
+            return lambda_schedule(self.step, self.anneal_steps, self.lambda_init, learn)
+        buffers = (self.step, self.anneal_steps, self.lambda_init)
+        key = tuple((id(b), b._version) for b in buffers)
+        cached = self.__dict__.get("_coefficients")
+        if cached is None or cached[0] != key or cached[1] is not buffers[0]:
+            with torch.no_grad():
+                offset, alpha = schedule_coefficients(*buffers)
+            # the buffers themselves are held, so their ids cannot be reused while cached
+            self.__dict__["_coefficients"] = (key, buffers[0], buffers, offset, alpha)
+            cached = self.__dict__["_coefficients"]
+        _, _, _, offset, alpha = cached
+        return torch.addcmul(offset, alpha, learn)
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., n_heads·d)`` → same shape with O_h − λ(t)·O_h W_D,h for selected h (Eq.5).
@@ -114,8 +131,9 @@ class DexHeads(nn.Module):
             )
         heads = x.reshape(*x.shape[:-1], self.n_heads, self.head_dim)
         selected = heads.index_select(-2, self.heads)  # (..., k, d)
-        f_d = torch.einsum("...kd,kde->...ke", selected, self.w_d.to(x.dtype))
-        delta = -self.lam().to(x.dtype) * f_d
+        # (..., k, 1, d) @ (k, d, d): one batched product over the selected heads
+        f_d = torch.matmul(selected.unsqueeze(-2), self.w_d.to(x.dtype)).squeeze(-2)
+        delta = f_d * (-self.lam().to(x.dtype))
         return heads.index_add(-2, self.heads, delta).reshape(x.shape)
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
