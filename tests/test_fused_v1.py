@@ -302,3 +302,26 @@ def test_compiled_kernel_tiles_and_threads_agree(monkeypatch, kernel_path, tile_
     (out_a, grads_a), (out_b, grads_b) = runs[1], runs[2]
     assert torch.equal(out_a, out_b)
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
+
+
+@pytest.mark.parametrize("n_new", [1, 7])
+def test_interleaved_cache_views_with_and_without_grad(n_new):
+    """K1, K2 as the model passes them (every other head of one cache tensor) and V a slice
+    of a longer cache: the result with autograd and the inference path (no autograd node)
+    equal ``reference``, and each other bit for bit."""
+    s, cache_len = 21, 30
+    k_cache = torch.randn(2, 4, cache_len, D)
+    v_cache = torch.randn(2, 2, cache_len, 2 * D)
+    k1, k2 = k_cache[:, 0::2, :s], k_cache[:, 1::2, :s]
+    v = v_cache[:, :, :s]
+    q = torch.randn(2, 8, n_new, D)
+    q1, q2 = q[:, 0::2], q[:, 1::2]
+    lam = torch.tensor(0.37)
+    mask = AttentionMask(key_padding=_padding("left", 2, s), query_offset=s - n_new)
+    ref = differential_rows(q1, q2, k1, k2, v, lam, mask, D**-0.5)
+    with torch.no_grad():
+        inference = fused.fused_diff_v1(q1, q2, k1, k2, v, lam, mask, D**-0.5)
+    leaves = [t.clone().requires_grad_() for t in (q1, q2, k1, k2, v)]
+    with_grad = fused.fused_diff_v1(*leaves, lam, mask, D**-0.5)
+    assert _rel(inference, ref) <= 1e-5
+    assert torch.equal(with_grad.detach(), inference)

@@ -6,7 +6,8 @@ H / H_kv`` query heads of the KV group are the tile's rows (``R = T·rep`` rows)
 never repeated. A tile whose last query may read keys ``[0, e)`` keeps two ``R × e`` score
 buffers, sized to stay in the core's cache::
 
-    S_a = Q_a K_a[:e]ᵀ                       (a = 1, 2; Q pre-scaled by 1/√d; BLAS sgemm)
+    S_a = Q_a K_a[:e]ᵀ/√d                    (a = 1, 2; BLAS sgemm; tiles of ≤ 8 rows, such as
+                                               decode steps, stream K and V once instead)
     P_a = exp(S_a − m_a) / Σ,  lse_a = m_a + log Σ    (one vectorised pass per row)
     O   = (P1 − λ·P2) V[:e]                  (one sgemm: V read once for both maps)
 
@@ -104,18 +105,18 @@ def tile_positions(rep: int) -> int:
     return max(1, TILE_ROWS // max(1, rep))
 
 
-def forward(q1s, q2s, k1, k2, v, lam: float, rep: int, offset: int, key_padding):
-    """``(out, lse1, lse2)`` for grouped, pre-scaled, contiguous fp32 inputs: q ``(B, H_kv,
-    N·rep, d)``, k ``(B, H_kv, S, d)``, v ``(B, H_kv, S, dv)``; key_padding ``(B, S)`` uint8 or
-    ``None``. Call :func:`unavailable` first."""
+def forward(q1s, q2s, k1, k2, v, lam: float, scale: float, rep: int, offset: int, key_padding):
+    """``(out, lse1, lse2)`` for grouped, contiguous fp32 queries ``(B, H_kv, N·rep, d)``,
+    fp32 k ``(B, H_kv, S, d)`` and v ``(B, H_kv, S, dv)`` (any batch and head strides, rows of
+    contiguous features); key_padding ``(B, S)`` uint8 or ``None``. Call :func:`unavailable`
+    first."""
     return torch.ops.diffattn_cpu.diff_v1_forward(
-        q1s, q2s, k1, k2, v, lam, rep, offset, key_padding, tile_positions(rep)
+        q1s, q2s, k1, k2, v, lam, scale, rep, offset, key_padding, tile_positions(rep)
     )
 
 
 def backward(tensors: tuple, lam: float, scale: float, rep: int, offset: int, key_padding):
     """``[dq1s, dq2s, dk1, dk2, dv, dλ]`` for ``tensors = (dO rows, q1s, q2s, k1, k2, v, lse1,
-    lse2)`` in the layouts of :func:`forward` (dq already multiplied by ``scale``: the gradient
-    of the unscaled queries); dλ is a 0-d fp64 tensor."""
+    lse2)`` in the layouts of :func:`forward`; dλ is a 0-d fp64 tensor."""
     op = torch.ops.diffattn_cpu.diff_v1_backward
     return op(*tensors, lam, scale, rep, offset, key_padding, tile_positions(rep))

@@ -243,6 +243,18 @@ def _compiled_kernel_for(q: torch.Tensor, mask: AttentionMask) -> bool:
     return True
 
 
+def _keys_and_values(compiled: bool, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fp32 K1, K2, V for a path: the compiled kernel reads any batch and head strides (a
+    cache's interleaved maps in place) as long as each row's features are contiguous; the
+    blocked path takes contiguous tensors."""
+    out = []
+    for x in tensors:
+        x = x.float()
+        rows_contiguous = x.stride(3) == 1 and x.stride(2) == x.shape[3]
+        out.append(x if compiled and rows_contiguous else x.contiguous())
+    return tuple(out)
+
+
 def _rows_of(x: torch.Tensor, n_kv: int) -> torch.Tensor:
     """``(B, H, N, w)`` → the compiled kernel's ``(B, H_kv, N·rep, w)`` rows, contiguous."""
     grouped = _group(x, n_kv)
@@ -253,6 +265,18 @@ def _unrows(x: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`_rows_of`."""
     bsz, n_kv, rows, w = x.shape
     return _ungroup(x.view(bsz, n_kv, n, rows // n, w))
+
+
+def _compiled_forward(q1, q2, k1f, k2f, vf, lam_value: float, mask: AttentionMask, scale):
+    """The compiled kernel's forward: ``(out in q1's dtype, lse1, lse2, key padding as
+    uint8 or None)``."""
+    n_kv, n, rep = k1f.shape[1], q1.shape[2], q1.shape[1] // k1f.shape[1]
+    padding = None if mask.key_padding is None else mask.key_padding.to(torch.uint8)
+    out, lse1, lse2 = cpu_kernel.forward(
+        _rows_of(q1.float(), n_kv), _rows_of(q2.float(), n_kv),
+        k1f, k2f, vf, lam_value, scale, rep, int(mask.query_offset), padding,
+    )  # fmt: skip
+    return _unrows(out, n).to(q1.dtype), lse1, lse2, padding
 
 
 class _FusedDiffV1(torch.autograd.Function):
@@ -266,23 +290,13 @@ class _FusedDiffV1(torch.autograd.Function):
         lam_value = float(lam)
         ctx.scale, ctx.lam_value, ctx.lam_dtype, ctx.mask = scale, lam_value, lam.dtype, mask
         ctx.compiled = _compiled_kernel_for(q1, mask)
-        k1f, k2f, vf = (t.float().contiguous() for t in (k1, k2, v))
+        k1f, k2f, vf = _keys_and_values(ctx.compiled, k1, k2, v)
         if ctx.compiled:
-            padding = None if mask.key_padding is None else mask.key_padding.to(torch.uint8)
-            out, lse1, lse2 = cpu_kernel.forward(
-                _rows_of(q1.float() * scale, n_kv),
-                _rows_of(q2.float() * scale, n_kv),
-                k1f,
-                k2f,
-                vf,
-                lam_value,
-                h // n_kv,
-                int(mask.query_offset),
-                padding,
+            out, lse1, lse2, ctx.padding = _compiled_forward(
+                q1, q2, k1f, k2f, vf, lam_value, mask, scale
             )
             ctx.save_for_backward(q1, q2, k1, k2, v, lse1, lse2)
-            ctx.padding = padding
-            return _unrows(out, n).to(q1.dtype)
+            return out
         blocks = _Blocks(mask, bsz, h, n, k1.shape[2])
         q1s, q2s = (_group(q.float() * scale, n_kv) for q in (q1, q2))
         out = _ungroup(_forward(q1s, q2s, k1f, k2f, vf, lam_value, blocks))
@@ -294,12 +308,9 @@ class _FusedDiffV1(torch.autograd.Function):
     def backward(ctx, grad_out):
         q1, q2, k1, k2, v = ctx.saved_tensors[:5]
         n_kv, scale, n = k1.shape[1], ctx.scale, q1.shape[2]
-        k1f, k2f, vf = (t.float().contiguous() for t in (k1, k2, v))
+        k1f, k2f, vf = _keys_and_values(ctx.compiled, k1, k2, v)
         if ctx.compiled:
-            rows = (
-                _rows_of(t, n_kv)
-                for t in (grad_out.float(), q1.float() * scale, q2.float() * scale)
-            )
+            rows = (_rows_of(t, n_kv) for t in (grad_out.float(), q1.float(), q2.float()))
             dq1, dq2, dk1, dk2, dv, dlam = cpu_kernel.backward(
                 (*rows, k1f, k2f, vf, *ctx.saved_tensors[5:]), ctx.lam_value, scale,
                 q1.shape[1] // n_kv, int(ctx.mask.query_offset), ctx.padding,
@@ -334,10 +345,16 @@ def fused_diff_v1(
     mask: AttentionMask,
     scale: float,
 ) -> torch.Tensor:
-    """DIFF V1 Eq.1, ``(softmax(Q1K1ᵀ·scale) − λ softmax(Q2K2ᵀ·scale)) V``, on the blocked
-    kernel of this module. Shapes as :func:`diffattn.attention.kernels.differential_attention`."""
+    """DIFF V1 Eq.1, ``(softmax(Q1K1ᵀ·scale) − λ softmax(Q2K2ᵀ·scale)) V``, on the compiled
+    CPU kernel or the blocked path of this module (calls that need no gradient skip the
+    autograd node). Shapes as :func:`diffattn.attention.kernels.differential_attention`."""
     if torch.compiler.is_compiling():
         return differential_rows(q1, q2, k1, k2, v, lam, mask, scale)
+    inputs = (q1, q2, k1, k2, v, lam)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    if not needs_grad and _compiled_kernel_for(q1, mask):  # inference, decode: no autograd
+        keys = _keys_and_values(True, k1, k2, v)
+        return _compiled_forward(q1, q2, *keys, float(lam), mask, scale)[0]
     if isinstance(mask.query_offset, torch.Tensor):  # a static cache, run eagerly
         mask = dataclasses.replace(mask, query_offset=int(mask.query_offset))
     return _FusedDiffV1.apply(q1, q2, k1, k2, v, lam, mask, scale)

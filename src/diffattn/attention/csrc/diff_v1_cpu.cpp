@@ -3,7 +3,7 @@
 // documented in diffattn/attention/cpu_kernel.py; this file is its implementation.
 //
 // Layout (all contiguous fp32, made so by the Python caller):
-//   q1, q2  (B, Hkv, N*rep, d)   query rows of one KV group, position-major, pre-scaled
+//   q1, q2  (B, Hkv, N*rep, d)   query rows of one KV group, position-major (unscaled)
 //   k1, k2  (B, Hkv, S, d)
 //   v       (B, Hkv, S, dv)
 //   out     (B, Hkv, N*rep, dv); lse1, lse2 (B, Hkv, N*rep): each map's log-sum-exp
@@ -100,6 +100,32 @@ double row_dot(const float* a, const float* b, int n) {
   return total;
 }
 
+float dot(const float* a, const float* b, int n) {
+  constexpr int W = Vec::size();
+  Vec acc(0.f);
+  int j = 0;
+  for (; j + W <= n; j += W) acc = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(b + j), acc);
+  float lanes[W];
+  acc.store(lanes);
+  float total = 0.f;
+  for (int l = 0; l < W; ++l) total += lanes[l];
+  for (; j < n; ++j) total += a[j] * b[j];
+  return total;
+}
+
+// y += alpha * x
+void axpy(float* y, float alpha, const float* x, int n) {
+  constexpr int W = Vec::size();
+  const Vec a(alpha);
+  int j = 0;
+  for (; j + W <= n; j += W) at::vec::fmadd(a, Vec::loadu(x + j), Vec::loadu(y + j)).store(y + j);
+  for (; j < n; ++j) y[j] += alpha * x[j];
+}
+
+// Tiles of at most this many rows (decode steps: one query position, a GQA group's heads)
+// skip BLAS, whose packing of K and V would read them twice: keys and values stream once.
+constexpr int kStreamRows = 8;
+
 struct Task {
   int64_t bg;         // batch * Hkv + kv head
   int64_t pos_start;  // first query position of the tile
@@ -109,14 +135,20 @@ struct Task {
 
 struct Problem {
   int64_t bsz, n_kv, n, rep, d, dv, s, offset, tile_positions;
+  int64_t k1_sb, k1_sh, k2_sb, k2_sh, v_sb, v_sh;  // batch and head strides of the inputs
   const uint8_t* padding;  // (B, S) or nullptr
   int64_t rows() const { return n * rep; }
+  // Offsets of one (batch, KV head) in k1, k2, v (strided: views of a cache are taken as
+  // they are) and in the contiguous gradient buffers.
+  int64_t k1_at(int64_t bg) const { return (bg / n_kv) * k1_sb + (bg % n_kv) * k1_sh; }
+  int64_t k2_at(int64_t bg) const { return (bg / n_kv) * k2_sb + (bg % n_kv) * k2_sh; }
+  int64_t v_at(int64_t bg) const { return (bg / n_kv) * v_sb + (bg % n_kv) * v_sh; }
   int64_t last_key(int64_t pos) const { return pos + offset; }  // the diagonal key
 };
 
-Problem make_problem(const at::Tensor& q1, const at::Tensor& k1, const at::Tensor& v,
-                     int64_t rep, int64_t offset, const at::Tensor& padding,
-                     int64_t tile_positions) {
+Problem make_problem(const at::Tensor& q1, const at::Tensor& k1, const at::Tensor& k2,
+                     const at::Tensor& v, int64_t rep, int64_t offset,
+                     const at::Tensor& padding, int64_t tile_positions) {
   TORCH_CHECK(q1.dim() == 4 && k1.dim() == 4 && v.dim() == 4, "diff_v1_cpu: 4-d tensors expected");
   Problem p{};
   p.bsz = k1.size(0);
@@ -130,6 +162,12 @@ Problem make_problem(const at::Tensor& q1, const at::Tensor& k1, const at::Tenso
   p.offset = offset;
   TORCH_CHECK(offset >= 0 && p.n + offset <= p.s, "diff_v1_cpu: query offset out of range");
   p.tile_positions = std::max<int64_t>(1, tile_positions);
+  p.k1_sb = k1.stride(0);
+  p.k1_sh = k1.stride(1);
+  p.k2_sb = k2.stride(0);
+  p.k2_sh = k2.stride(1);
+  p.v_sb = v.stride(0);
+  p.v_sh = v.stride(1);
   p.padding = padding.defined() ? padding.data_ptr<uint8_t>() : nullptr;
   return p;
 }
@@ -173,16 +211,31 @@ void mask_padding(float* row, const uint8_t* real, int64_t diag) {
 }
 
 void forward_task(const Problem& p, const Task& t, const float* q1, const float* q2,
-                  const float* k1, const float* k2, const float* v, float lam, float* out,
+                  const float* k1, const float* k2, const float* v, float lam, float scale,
+                  float* out,
                   float* lse1, float* lse2, float* buf1, float* buf2) {
   const int64_t row0 = t.pos_start * p.rep;
   const int m = static_cast<int>((t.pos_stop - t.pos_start) * p.rep);
   const int e = static_cast<int>(t.keys);
   const int d = static_cast<int>(p.d), dv = static_cast<int>(p.dv);
   const int64_t qo = t.bg * p.rows() * p.d + row0 * p.d;
-  const int64_t ko = t.bg * p.s * p.d;
-  gemm(false, true, m, e, d, 1.f, q1 + qo, d, k1 + ko, d, 0.f, buf1, e);
-  gemm(false, true, m, e, d, 1.f, q2 + qo, d, k2 + ko, d, 0.f, buf2, e);
+  const float* k1b = k1 + p.k1_at(t.bg);
+  const float* k2b = k2 + p.k2_at(t.bg);
+  const bool stream = m <= kStreamRows;
+  if (stream) {
+    for (int j = 0; j < e; ++j) {
+      const float* k1j = k1b + static_cast<int64_t>(j) * d;
+      const float* k2j = k2b + static_cast<int64_t>(j) * d;
+      for (int r = 0; r < m; ++r) {
+        const int64_t qr = qo + static_cast<int64_t>(r) * d;
+        buf1[static_cast<int64_t>(r) * e + j] = scale * dot(q1 + qr, k1j, d);
+        buf2[static_cast<int64_t>(r) * e + j] = scale * dot(q2 + qr, k2j, d);
+      }
+    }
+  } else {
+    gemm(false, true, m, e, d, scale, q1 + qo, d, k1b, d, 0.f, buf1, e);
+    gemm(false, true, m, e, d, scale, q2 + qo, d, k2b, d, 0.f, buf2, e);
+  }
   const uint8_t* real = p.padding ? p.padding + (t.bg / p.n_kv) * p.s : nullptr;
   for (int r = 0; r < m; ++r) {
     const int64_t diag = p.last_key(t.pos_start + r / p.rep);
@@ -208,8 +261,20 @@ void forward_task(const Problem& p, const Task& t, const float* q1, const float*
     lse1[t.bg * p.rows() + row0 + r] = max1 + static_cast<float>(std::log(sum1));
     lse2[t.bg * p.rows() + row0 + r] = max2 + static_cast<float>(std::log(sum2));
   }
-  gemm(false, false, m, dv, e, 1.f, buf1, e, v + t.bg * p.s * p.dv, dv, 0.f,
-       out + t.bg * p.rows() * p.dv + row0 * p.dv, dv);
+  float* o = out + t.bg * p.rows() * p.dv + row0 * p.dv;
+  const float* vb = v + p.v_at(t.bg);
+  if (!stream) {
+    gemm(false, false, m, dv, e, 1.f, buf1, e, vb, dv, 0.f, o, dv);
+    return;
+  }
+  std::fill(o, o + static_cast<int64_t>(m) * dv, 0.f);
+  for (int j = 0; j < e; ++j) {
+    const float* vj = vb + static_cast<int64_t>(j) * dv;
+    for (int r = 0; r < m; ++r) {
+      const float pj = buf1[static_cast<int64_t>(r) * e + j];
+      if (pj != 0.f) axpy(o + static_cast<int64_t>(r) * dv, pj, vj, dv);
+    }
+  }
 }
 
 // P_a = exp(S_a - lse_a) on one row's allowed keys, zero beyond.
@@ -230,10 +295,12 @@ void backward_task(const Problem& p, const Task& t, const float* q1, const float
   const int d = static_cast<int>(p.d), dv = static_cast<int>(p.dv);
   const int64_t qo = t.bg * p.rows() * p.d + row0 * p.d;
   const int64_t go = t.bg * p.rows() * p.dv + row0 * p.dv;
-  const int64_t ko = t.bg * p.s * p.d, vo = t.bg * p.s * p.dv;
-  gemm(false, true, m, e, d, 1.f, q1 + qo, d, k1 + ko, d, 0.f, buf1, e);
-  gemm(false, true, m, e, d, 1.f, q2 + qo, d, k2 + ko, d, 0.f, buf2, e);
-  gemm(false, true, m, e, dv, 1.f, grad + go, dv, v + vo, dv, 0.f, buf3, e);  // dP = G V^T
+  const int64_t ko = t.bg * p.s * p.d, vo = t.bg * p.s * p.dv;  // in the gradient buffers
+  const float* k1b = k1 + p.k1_at(t.bg);
+  const float* k2b = k2 + p.k2_at(t.bg);
+  gemm(false, true, m, e, d, scale, q1 + qo, d, k1b, d, 0.f, buf1, e);
+  gemm(false, true, m, e, d, scale, q2 + qo, d, k2b, d, 0.f, buf2, e);
+  gemm(false, true, m, e, dv, 1.f, grad + go, dv, v + p.v_at(t.bg), dv, 0.f, buf3, e);  // dP
   const uint8_t* real = p.padding ? p.padding + (t.bg / p.n_kv) * p.s : nullptr;
   constexpr int W = Vec::size();
   const Vec vlam(lam);
@@ -270,10 +337,10 @@ void backward_task(const Problem& p, const Task& t, const float* q1, const float
   }
   *dlam -= r2_total;
   gemm(true, false, e, dv, m, 1.f, buf4, e, grad + go, dv, 1.f, dv_acc + vo, dv);  // dV += P^T G
-  gemm(false, false, m, d, e, scale, buf1, e, k1 + ko, d, 0.f, dq1 + qo, d);
-  gemm(false, false, m, d, e, -lam * scale, buf2, e, k2 + ko, d, 0.f, dq2 + qo, d);
-  gemm(true, false, e, d, m, 1.f, buf1, e, q1 + qo, d, 1.f, dk1 + ko, d);
-  gemm(true, false, e, d, m, -lam, buf2, e, q2 + qo, d, 1.f, dk2 + ko, d);
+  gemm(false, false, m, d, e, scale, buf1, e, k1b, d, 0.f, dq1 + qo, d);
+  gemm(false, false, m, d, e, -lam * scale, buf2, e, k2b, d, 0.f, dq2 + qo, d);
+  gemm(true, false, e, d, m, scale, buf1, e, q1 + qo, d, 1.f, dk1 + ko, d);
+  gemm(true, false, e, d, m, -lam * scale, buf2, e, q2 + qo, d, 1.f, dk2 + ko, d);
 }
 
 void check_inputs(std::initializer_list<const at::Tensor*> tensors) {
@@ -283,15 +350,26 @@ void check_inputs(std::initializer_list<const at::Tensor*> tensors) {
   }
 }
 
+// Keys and values may be views (a cache's interleaved maps): any batch and head strides,
+// rows of contiguous features.
+void check_keys(std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4 &&
+                    t->stride(3) == 1 && t->stride(2) == t->size(3),
+                "diff_v1_cpu: fp32 CPU keys/values with contiguous rows expected");
+  }
+}
+
 int64_t slot_count() { return std::max<int64_t>(1, at::get_num_threads()); }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> diff_v1_forward(
     const at::Tensor& q1, const at::Tensor& q2, const at::Tensor& k1, const at::Tensor& k2,
-    const at::Tensor& v, double lam, int64_t rep, int64_t offset,
+    const at::Tensor& v, double lam, double scale, int64_t rep, int64_t offset,
     const std::optional<at::Tensor>& key_padding, int64_t tile_positions) {
-  check_inputs({&q1, &q2, &k1, &k2, &v});
+  check_inputs({&q1, &q2});
+  check_keys({&k1, &k2, &v});
   const at::Tensor padding = key_padding.has_value() ? key_padding->contiguous() : at::Tensor();
-  const Problem p = make_problem(q1, k1, v, rep, offset, padding, tile_positions);
+  const Problem p = make_problem(q1, k1, k2, v, rep, offset, padding, tile_positions);
   at::Tensor out = at::empty({p.bsz, p.n_kv, p.rows(), p.dv}, q1.options());
   at::Tensor lse1 = at::empty({p.bsz, p.n_kv, p.rows()}, q1.options());
   at::Tensor lse2 = at::empty_like(lse1);
@@ -303,7 +381,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> diff_v1_forward(
       for (const Task& t : parts[slot]) {
         forward_task(p, t, q1.data_ptr<float>(), q2.data_ptr<float>(), k1.data_ptr<float>(),
                      k2.data_ptr<float>(), v.data_ptr<float>(), static_cast<float>(lam),
-                     out.data_ptr<float>(), lse1.data_ptr<float>(), lse2.data_ptr<float>(),
+                     static_cast<float>(scale), out.data_ptr<float>(), lse1.data_ptr<float>(), lse2.data_ptr<float>(),
                      buf1.data(), buf2.data());
       }
     }
@@ -316,9 +394,10 @@ std::vector<at::Tensor> diff_v1_backward(
     const at::Tensor& k2, const at::Tensor& v, const at::Tensor& lse1, const at::Tensor& lse2,
     double lam, double scale, int64_t rep, int64_t offset,
     const std::optional<at::Tensor>& key_padding, int64_t tile_positions) {
-  check_inputs({&grad, &q1, &q2, &k1, &k2, &v, &lse1, &lse2});
+  check_inputs({&grad, &q1, &q2, &lse1, &lse2});
+  check_keys({&k1, &k2, &v});
   const at::Tensor padding = key_padding.has_value() ? key_padding->contiguous() : at::Tensor();
-  const Problem p = make_problem(q1, k1, v, rep, offset, padding, tile_positions);
+  const Problem p = make_problem(q1, k1, k2, v, rep, offset, padding, tile_positions);
   const auto parts = schedule(p, slot_count());
   const int64_t slots = static_cast<int64_t>(parts.size());
   at::Tensor dq1 = at::empty_like(q1), dq2 = at::empty_like(q2);
@@ -354,8 +433,9 @@ std::vector<at::Tensor> diff_v1_backward(
 
 TORCH_LIBRARY(diffattn_cpu, m) {
   m.def(
-      "diff_v1_forward(Tensor q1, Tensor q2, Tensor k1, Tensor k2, Tensor v, float lam, int rep, "
-      "int offset, Tensor? key_padding, int tile_positions) -> (Tensor, Tensor, Tensor)");
+      "diff_v1_forward(Tensor q1, Tensor q2, Tensor k1, Tensor k2, Tensor v, float lam, "
+      "float scale, int rep, int offset, Tensor? key_padding, int tile_positions) -> "
+      "(Tensor, Tensor, Tensor)");
   m.def(
       "diff_v1_backward(Tensor grad, Tensor q1, Tensor q2, Tensor k1, Tensor k2, Tensor v, "
       "Tensor lse1, Tensor lse2, float lam, float scale, int rep, int offset, "
