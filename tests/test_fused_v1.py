@@ -325,3 +325,26 @@ def test_interleaved_cache_views_with_and_without_grad(n_new):
     with_grad = fused.fused_diff_v1(*leaves, lam, mask, D**-0.5)
     assert _rel(inference, ref) <= 1e-5
     assert torch.equal(with_grad.detach(), inference)
+
+
+def test_inference_lambda_follows_parameter_updates():
+    """λ kept between no-grad calls is recomputed after an in-place update of a λ vector,
+    after loading a state dict, and is never reused by a call that needs its gradient."""
+    model = _model("reference")
+    attn = model.layers[0].attn
+    with torch.no_grad():
+        first = attn.lambda_full()
+        assert attn.lambda_full() is first  # kept
+        attn.lambda_q1.add_(0.1)  # as an optimizer step does
+        assert torch.equal(attn.lambda_full(), _fresh_lambda(attn))
+    state = {k: v + 0.01 if "lambda_k2" in k else v for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(attn.lambda_full(), _fresh_lambda(attn))
+    assert attn.lambda_full().requires_grad
+
+
+def _fresh_lambda(attn):
+    from diffattn.attention.diff_v1 import reparameterised_lambda
+
+    return reparameterised_lambda(attn)

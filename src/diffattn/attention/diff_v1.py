@@ -73,8 +73,21 @@ class DiffAttentionV1(nn.Module):
                 p.normal_(0.0, self.config.lambda_std, generator=generator)
 
     def lambda_full(self) -> torch.Tensor:
-        """Eq.2: λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init, computed in fp32 (0-d tensor)."""
-        return reparameterised_lambda(self)
+        """Eq.2: λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init, computed in fp32 (0-d tensor).
+
+        Without autograd (inference, decode steps) the value is kept until one of the four
+        vectors changes (tracked by tensor identity and version counter), which saves a
+        decode step about ten small ops per layer."""
+        vectors = (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return reparameterised_lambda(self)
+        key = tuple((id(t), t._version) for t in vectors)
+        cached = self.__dict__.get("_lambda_cache")
+        if cached is None or cached[0] != key:
+            # the vectors themselves are held, so their ids cannot be reused while cached
+            cached = (key, vectors, reparameterised_lambda(self))
+            self.__dict__["_lambda_cache"] = cached
+        return cached[2]
 
     def forward(
         self,
