@@ -74,7 +74,10 @@ def test_static_cache_generation_with_left_padding(attention):
     mask[0, :3] = 0
     dynamic = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     static = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        do_sample=False,
         cache_implementation="static",
     )
     torch.testing.assert_close(static, dynamic)

@@ -15,8 +15,14 @@ from diffattn.attention.backends.reference import reference_attention
 def _tiny(attention: str, **changes) -> DiffTransformerLM:
     torch.manual_seed(0)
     config = presets.get(
-        "tiny", attention=attention, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-        vocab_size=61, **changes,
+        "tiny",
+        attention=attention,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=61,
+        **changes,
     )
     return DiffTransformerLM(config).eval()
 

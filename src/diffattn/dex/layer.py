@@ -131,8 +131,9 @@ class DexHeads(nn.Module):
             )
         heads = x.reshape(*x.shape[:-1], self.n_heads, self.head_dim)
         selected = heads.index_select(-2, self.heads)  # (..., k, d)
-        # (..., k, 1, d) @ (k, d, d): one batched product over the selected heads
-        f_d = torch.matmul(selected.unsqueeze(-2), self.w_d.to(x.dtype)).squeeze(-2)
+        # one batched product over the selected heads: (k, M, d) @ (k, d, d)
+        rows = selected.reshape(-1, selected.shape[-2], self.head_dim).transpose(0, 1)
+        f_d = torch.bmm(rows, self.w_d.to(x.dtype)).transpose(0, 1).reshape(selected.shape)
         delta = f_d * (-self.lam().to(x.dtype))
         return heads.index_add(-2, self.heads, delta).reshape(x.shape)
 
