@@ -348,3 +348,12 @@ def _fresh_lambda(attn):
     from diffattn.attention.diff_v1 import reparameterised_lambda
 
     return reparameterised_lambda(attn)
+
+
+def test_compiled_kernel_rejects_a_key_padding_of_the_wrong_width(kernel_path):
+    if kernel_path == "blocked":
+        pytest.skip("compiled path only")
+    q1, q2, k1, k2, v, lam = (x.detach() for x in _inputs(1, 2, 1, 5, 5))
+    mask = AttentionMask(key_padding=torch.ones(1, 9, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="key padding must be uint8 of shape"):
+        fused.fused_diff_v1(q1, q2, k1, k2, v, lam, mask, D**-0.5)

@@ -168,6 +168,12 @@ Problem make_problem(const at::Tensor& q1, const at::Tensor& k1, const at::Tenso
   p.k2_sh = k2.stride(1);
   p.v_sb = v.stride(0);
   p.v_sh = v.stride(1);
+  if (padding.defined()) {
+    TORCH_CHECK(padding.scalar_type() == at::kByte && padding.dim() == 2 &&
+                    padding.size(0) == p.bsz && padding.size(1) == p.s,
+                "diff_v1_cpu: key padding must be uint8 of shape (B, S) = (", p.bsz, ", ", p.s,
+                "), got ", padding.sizes());
+  }
   p.padding = padding.defined() ? padding.data_ptr<uint8_t>() : nullptr;
   return p;
 }
