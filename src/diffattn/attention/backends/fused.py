@@ -366,7 +366,8 @@ register_backend(
         sdpa_attention,
         diff_v1=fused_diff_v1,
         diff_v2=compose_v2(sdpa_attention),
-        description="DIFF V1 with QKᵀ at width d and V read once, blocked, no N×N tensor "
-        "(any device, fp32 compute); baseline and DIFF V2 on sdpa",
+        description="DIFF V1 with QKᵀ at width d and V read once, no N×N tensor: a compiled "
+        "C++ kernel on the CPU, blocked torch ops elsewhere (fp32 compute); baseline and "
+        "DIFF V2 on sdpa",
     )
 )
