@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from diffattn import DiffTransformerLM, ModelConfig
 
@@ -78,3 +80,18 @@ def word_corpus(root, paragraphs: int):
     corpus = root / "corpus.txt"
     corpus.write_text("\n\n".join(texts))
     return corpus, train_bpe(texts, 300, cache_dir=root / "bpe")
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the element count of the largest tensor any op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out

@@ -216,20 +216,8 @@ def test_attention_all_trains_every_layer():
 def test_transform_allocates_nothing_larger_than_its_input():
     """W_D is applied as one batched product over the selected heads: no copy of W_D per
     token (a broadcast matmul would make one of (tokens, k, d, d))."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
     from diffattn.dex.layer import DexHeads
-
-    class Largest(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    Largest.largest = max(Largest.largest, t.numel())
-            return out
+    from helpers import LargestTensor
 
     heads = DexHeads(0, 4, 8, [0, 2], lambda_init=0.3, anneal_steps=0, lambda_learn_init=0.5)
     x = torch.randn(2, 64, 32)
@@ -237,7 +225,7 @@ def test_transform_allocates_nothing_larger_than_its_input():
     expected.view(2, 64, 4, 8)[..., [0, 2], :] -= 0.5 * (
         x.view(2, 64, 4, 8)[..., [0, 2], :].unsqueeze(-2) @ heads.w_d
     ).squeeze(-2)
-    with torch.no_grad(), Largest():
+    with torch.no_grad(), LargestTensor() as seen:
         out = heads.transform(x)
-    assert Largest.largest <= x.numel()
+    assert seen.largest <= x.numel()
     torch.testing.assert_close(out, expected)

@@ -8,8 +8,6 @@ import shutil
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from diffattn import DiffTransformerLM
 from diffattn.attention import cpu_kernel, kernels, registry
@@ -17,7 +15,7 @@ from diffattn.attention.backends import fused
 from diffattn.attention.backends.reference import differential_rows
 from diffattn.attention.backends.sdpa import sdpa_diff_v1
 from diffattn.attention.mask import AttentionMask
-from helpers import TINY_VOCAB, tiny_diffattn
+from helpers import TINY_VOCAB, LargestTensor, tiny_diffattn
 
 D = 8
 
@@ -166,24 +164,11 @@ def test_sdpa_decode_step_reads_v_once_and_matches_two_calls(padded):
     torch.testing.assert_close(once, rows, rtol=0, atol=0)
 
 
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_no_tensor_as_large_as_one_map(monkeypatch):
     """Forward and backward never hold a (B, H, N, N) tensor: the block maps are R×e."""
     monkeypatch.setattr(fused, "BLOCK_ELEMENTS", 2 * 4 * 128 * 16)
     inputs = _inputs(2, 4, 2, 128, 128)
-    with _LargestTensor() as seen:
+    with LargestTensor() as seen:
         out = fused.fused_diff_v1(*inputs, AttentionMask(), D**-0.5)
         out.sum().backward()
     one_map = 2 * 4 * 128 * 128
