@@ -98,3 +98,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: s
         pairs = x.unflatten(-1, (-1, 2))
         rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
     return x * cos + rotated * sin
+
+
+def memo_by_version(owner: nn.Module, slot: str, tensors: tuple[torch.Tensor, ...], compute):
+    """``compute()``, kept on ``owner`` until one of ``tensors`` is replaced or changed in place
+    (tensor identity and version counter: an optimizer step, ``load_state_dict`` and ``.to()``
+    all invalidate it). The tensors are held while cached, so their ids cannot be reused.
+    For values derived from parameters or buffers that many calls need without autograd."""
+    key = tuple((id(t), t._version) for t in tensors)
+    cached = owner.__dict__.get(slot)
+    if cached is None or cached[0] != key:
+        cached = (key, tensors, compute())
+        owner.__dict__[slot] = cached
+    return cached[2]

@@ -81,6 +81,8 @@ def unavailable() -> str | None:
     ``None`` once it is built and registered. The first call builds it."""
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "off", "false", "no"):
         return f"switched off by {ENV_SWITCH}={os.environ[ENV_SWITCH]}"
+    if _state["loaded"]:  # every call after the first: no lock on the hot path
+        return None
     with _lock:
         if not _state["loaded"] and _state["error"] is None:
             try:

@@ -24,7 +24,7 @@ from diffattn.attention.common import (
 )
 from diffattn.attention.kernels import AttentionMask, differential_attention
 from diffattn.config import ModelConfig
-from diffattn.layers import RMSNorm
+from diffattn.layers import RMSNorm, memo_by_version
 
 
 def reparameterised_lambda(module: nn.Module) -> torch.Tensor:
@@ -78,16 +78,10 @@ class DiffAttentionV1(nn.Module):
         Without autograd (inference, decode steps) the value is kept until one of the four
         vectors changes (tracked by tensor identity and version counter), which saves a
         decode step about ten small ops per layer."""
-        vectors = (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return reparameterised_lambda(self)
-        key = tuple((id(t), t._version) for t in vectors)
-        cached = self.__dict__.get("_lambda_cache")
-        if cached is None or cached[0] != key:
-            # the vectors themselves are held, so their ids cannot be reused while cached
-            cached = (key, vectors, reparameterised_lambda(self))
-            self.__dict__["_lambda_cache"] = cached
-        return cached[2]
+        vectors = (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
+        return memo_by_version(self, "_lambda", vectors, lambda: reparameterised_lambda(self))
 
     def forward(
         self,

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from diffattn.dex.schedule import lambda_schedule, schedule_coefficients
+from diffattn.layers import memo_by_version
 
 WDInit = str | float
 
@@ -107,15 +108,9 @@ class DexHeads(nn.Module):
         if torch.compiler.is_compiling():
             return lambda_schedule(self.step, self.anneal_steps, self.lambda_init, learn)
         buffers = (self.step, self.anneal_steps, self.lambda_init)
-        key = tuple((id(b), b._version) for b in buffers)
-        cached = self.__dict__.get("_coefficients")
-        if cached is None or cached[0] != key or cached[1] is not buffers[0]:
-            with torch.no_grad():
-                offset, alpha = schedule_coefficients(*buffers)
-            # the buffers themselves are held, so their ids cannot be reused while cached
-            self.__dict__["_coefficients"] = (key, buffers[0], buffers, offset, alpha)
-            cached = self.__dict__["_coefficients"]
-        _, _, _, offset, alpha = cached
+        offset, alpha = memo_by_version(
+            self, "_coefficients", buffers, lambda: schedule_coefficients(*buffers)
+        )
         return torch.addcmul(offset, alpha, learn)
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:

@@ -153,24 +153,10 @@ def _forward(q1s, q2s, k1, k2, v, lam: float, blocks: _Blocks) -> torch.Tensor:
     return out
 
 
-def balanced_parts(items: list, workers: int) -> list[list]:
-    """Split blocks ``(start, stop, key_end)`` into ``workers`` parts of near-equal work
-    (``rows × key_end``): longest block first to the least-loaded part. Under causal masking
-    block costs grow with the row, so a plain interleaved split leaves one worker idle at the
-    end. Deterministic; each part keeps its blocks in row order."""
-    parts: list[list] = [[] for _ in range(workers)]
-    loads = [0] * workers
-    for item in sorted(items, key=lambda b: ((b[1] - b[0]) * b[2], -b[0]), reverse=True):
-        i = loads.index(min(loads))
-        parts[i].append(item)
-        loads[i] += (item[1] - item[0]) * item[2]
-    return [sorted(part) for part in parts]
-
-
 def _in_workers(run, items: list) -> list:
-    """``run(part)`` for balanced parts of ``items`` (:func:`balanced_parts`): one Python
-    thread per intra-op thread, each running its blocks single-threaded (ops release the GIL),
-    the coarse-grained parallelism of fused kernels. Returns the results in part order."""
+    """``run(part)`` for interleaved parts of ``items``: one Python thread per intra-op
+    thread, each running its blocks single-threaded (ops release the GIL), the coarse-grained
+    parallelism of fused kernels. Returns the results in part order."""
     workers = min(torch.get_num_threads(), len(items))
     if workers <= 1 or not PARALLEL_BLOCKS:
         with torch.no_grad():
@@ -184,7 +170,7 @@ def _in_workers(run, items: list) -> list:
 
     try:
         with ThreadPoolExecutor(workers) as pool:
-            return list(pool.map(single, balanced_parts(items, workers)))
+            return list(pool.map(single, [items[i::workers] for i in range(workers)]))
     finally:
         torch.set_num_threads(threads)
 
