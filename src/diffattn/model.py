@@ -77,8 +77,11 @@ class DecoderBlock(nn.Module):
         return x, maps
 
 
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``logits[:, t]`` against ``labels[:, t + 1]`` over labels ``!= -100``.
+def next_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"
+) -> torch.Tensor:
+    """Mean (or, with ``reduction="sum"``, summed) cross-entropy of ``logits[:, t]`` against
+    ``labels[:, t + 1]`` over labels ``!= -100``.
 
     The labels are shifted, not the logits: the last position gets the ignored label, so the
     ``(B, N, vocab)`` logits enter the loss as a view, without the copy (and, in backward, the
@@ -87,7 +90,10 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """
     shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), shifted.reshape(-1), ignore_index=IGNORE_INDEX
+        logits.reshape(-1, logits.shape[-1]).float(),
+        shifted.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction=reduction,
     )
 
 

@@ -1,9 +1,10 @@
 """Which keys each query may read: the one masking rule every attention backend follows.
 
 Query ``i`` (at absolute position ``i + offset`` in the key sequence) may read key ``j`` iff
-``j <= i + offset`` and (key ``j`` is a real token or ``j == i + offset``). The second clause
-keeps fully padded query rows finite; real tokens never read padding, so their outputs equal
-those of the unpadded sequence.
+``j == i + offset``, or ``j < i + offset`` and both the query and key ``j`` are real tokens.
+Real tokens never read padding, so their outputs equal those of the unpadded sequence; a
+padding query reads only its own position, wherever the padding sits (left, right or holes),
+so its output is the same on every backend and depends on nothing else in the sequence.
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ class AttentionMask:
         causal = k_pos <= q_pos
         if self.key_padding is None:
             return causal[None, None]
-        real = self.key_padding[:, None, None, :].to(device=device, dtype=torch.bool)
+        padding = self.key_padding.to(device=device, dtype=torch.bool)
+        real_key = padding[:, None, None, :]
+        real_query = padding.gather(1, q_pos[:, 0].clamp_max(n_keys - 1).expand(len(padding), -1))
         diagonal = (k_pos == q_pos)[None, None]
-        return causal[None, None] & (real | diagonal)
+        return causal[None, None] & ((real_key & real_query[:, None, :, None]) | diagonal)
 
 
 def expand_kv(x: torch.Tensor, n_query_heads: int) -> torch.Tensor:

@@ -43,7 +43,9 @@ def _allowed(offs_m, offs_n, n_q, n_k, offset, kp_ptr, HAS_PADDING: tl.constexpr
     ok = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < n_k) & (offs_m[:, None] < n_q)
     if HAS_PADDING:
         real = tl.load(kp_ptr + offs_n, mask=offs_n < n_k, other=0) != 0
-        ok = ok & (real[None, :] | (offs_n[None, :] == q_pos[:, None]))
+        real_q = tl.load(kp_ptr + q_pos, mask=offs_m < n_q, other=0) != 0
+        pair = real[None, :] & real_q[:, None]
+        ok = ok & (pair | (offs_n[None, :] == q_pos[:, None]))
     return ok
 
 

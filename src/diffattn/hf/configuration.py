@@ -30,7 +30,7 @@ class DiffAttnConfig(PretrainedConfig):
     """HF config for ``DiffAttnForCausalLM`` (``model_type = "diffattn"``)."""
 
     model_type = MODEL_TYPE
-    keys_to_ignore_at_inference = ("past_key_values",)
+    keys_to_ignore_at_inference = ("cache", "past_key_values")
     attribute_map = {  # noqa: RUF012 (HF reads this class attribute)
         "hidden_size": "d_model",
         "num_hidden_layers": "n_layers",

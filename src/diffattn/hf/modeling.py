@@ -37,8 +37,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from diffattn.attention.common import AttentionMaps
 from diffattn.attention.registry import backend_for_hf
+from diffattn.hf.compat import (
+    CACHE_FIELD,
+    check_cache_position,
+    check_mask_arguments,
+    resolve_cache_argument,
+)
 from diffattn.hf.configuration import DiffAttnConfig
-from diffattn.model import DiffTransformerLM
+from diffattn.model import DiffTransformerLM, next_token_loss
 
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 
@@ -131,7 +137,7 @@ class DiffAttnPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flash_attn = True
     _no_split_modules = ["DecoderBlock"]  # noqa: RUF012
-    _skip_keys_device_placement = ["past_key_values"]  # noqa: RUF012
+    _skip_keys_device_placement = ["cache", "past_key_values"]  # noqa: RUF012
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -174,9 +180,14 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
         wrapper._backend_source = wrapper.config._attn_implementation  # keep model.backend
         return wrapper
 
-    def create_masks_for_generate(self, attention_mask=None, **kwargs: Any) -> Any:
+    def create_masks_for_generate(self, attention_mask=None, **arguments: Any) -> Any:
         """Keep the 2-D padding mask for pre-allocated caches: the model builds its own masks
-        (causal + padding) and reads positions from it; HF would pass a 4-D mask instead."""
+        (causal + padding) and reads positions from it; HF would pass a 4-D mask instead.
+
+        The other arguments HF passes (cache, embeddings, positions, ...) are checked by name
+        (:func:`~diffattn.hf.compat.check_mask_arguments`): one this model does not know is an
+        error, never silently dropped."""
+        check_mask_arguments(arguments)
         return attention_mask
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -211,51 +222,74 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Any | None = None,
+        cache: Any | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
-        cache_position: torch.LongTensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs: Any,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        past_key_values: Any | None = None,
+        cache_position: torch.LongTensor | None = None,
     ) -> DiffAttnCausalLMOutput:
+        """HF's causal-LM forward. Every argument is used or checked; there is no catch-all, so
+        an argument this model does not understand is a ``TypeError`` naming it.
+
+        Args:
+            cache: an HF ``Cache`` holding earlier tokens (transformers >= 5.24 name).
+            past_key_values: the same, under its name before transformers 5.24 (a
+                ``FutureWarning`` where ``cache`` is the current name); giving both is an error.
+            cache_position: accepted for the transformers versions that pass it; positions and
+                cache slots come from ``attention_mask`` and the cache, so it must be the run of
+                slots that follows the cached tokens (anything else is an error).
+            num_items_in_batch: the number of target tokens of the whole (accumulated) batch,
+                as HF's ``Trainer`` passes it: the loss is then the sum over this batch's
+                targets divided by it, as in HF's own causal LMs.
+        """
+        cache = resolve_cache_argument(cache, past_key_values)
         if use_cache is None:
             use_cache = getattr(self.config, "use_cache", True)
-        if past_key_values is None and use_cache and not self.training:
+        if cache is None and use_cache and not self.training:
             from transformers import DynamicCache
 
-            past_key_values = DynamicCache()
+            cache = DynamicCache()
         if output_attentions is None:
             output_attentions = getattr(self.config, "output_attentions", False)
         if output_hidden_states is None:
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
         self._sync_backend()
-        cache = HFCacheAdapter(past_key_values) if past_key_values is not None else None
+        adapter = HFCacheAdapter(cache) if cache is not None else None
+        if cache_position is not None:
+            new_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+            cached = adapter.get_seq_length() if adapter is not None else 0
+            check_cache_position(cache_position, cached, new_tokens)
         out = self.model(
             input_ids,
             attention_mask=attention_mask,
-            labels=labels,
+            labels=labels if num_items_in_batch is None else None,
             output_attentions=bool(output_attentions),
             output_hidden_states=bool(output_hidden_states),
-            past_key_values=cache,
+            past_key_values=adapter,
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
         )
         logits = out.logits
+        loss = out.loss
+        if labels is not None and num_items_in_batch is not None:
+            loss = next_token_loss(logits, labels, reduction="sum") / num_items_in_batch
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]
         elif isinstance(logits_to_keep, torch.Tensor):
             logits = logits[:, logits_to_keep]
         output = DiffAttnCausalLMOutput(
-            loss=out.loss,
+            loss=loss,
             logits=logits,
-            past_key_values=past_key_values,
             hidden_states=out.hidden_states,
             attentions=out.attentions,
             attention_maps=out.attention_maps,
+            **{CACHE_FIELD: cache},
         )
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)

@@ -209,10 +209,12 @@ std::vector<std::vector<Task>> schedule(const Problem& p, int64_t slots) {
   return parts;
 }
 
-// Mask key padding of one score row in place: keys j < diag that are padding get -inf.
+// Mask key padding of one score row in place: keys j < diag that are padding get -inf, and a
+// padding query (real[diag] == 0) reads only its own position.
 void mask_padding(float* row, const uint8_t* real, int64_t diag) {
+  const bool real_query = real[diag] != 0;
   for (int64_t j = 0; j < diag; ++j) {
-    if (!real[j]) row[j] = kNegInf;
+    if (!real_query || !real[j]) row[j] = kNegInf;
   }
 }
 

@@ -1,0 +1,116 @@
+"""What differs between the transformers releases diffattn supports, in one place.
+
+transformers 5.24 renamed the KV cache argument and output field from ``past_key_values`` to
+``cache`` (the old name still reaches a model's ``forward`` from code written for older
+releases, and older releases' ``generate`` passes it). Nothing else in :mod:`diffattn.hf`
+looks at the version: it asks this module.
+
+The supported range is stated in ``pyproject.toml`` and tested at both ends
+(``constraints/lowest.txt`` and the newest release; docs/compatibility.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+CACHE_FIELD = (
+    "cache"
+    if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+    else "past_key_values"
+)
+"""The name of the cache in HF's model outputs (and ``forward`` arguments) of this release."""
+
+
+def resolve_cache_argument(cache: Any, past_key_values: Any) -> Any:
+    """The cache a ``forward`` was given, under either name.
+
+    ``past_key_values`` warns (``FutureWarning``) on releases whose name is ``cache``, as HF's
+    own models do; both names at once is a ``ValueError``.
+    """
+    if past_key_values is None:
+        return cache
+    if cache is not None:
+        raise ValueError("give the cache as `cache` or as `past_key_values`, not both")
+    if CACHE_FIELD == "cache" and not torch.compiler.is_compiling():
+        warnings.warn(
+            "`past_key_values` is deprecated in this transformers release; pass the cache as "
+            "`cache`",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return past_key_values
+
+
+def check_cache_position(
+    cache_position: torch.Tensor,
+    cached_tokens: int,
+    new_tokens: int,
+) -> None:
+    """``ValueError`` unless ``cache_position`` is the run of slots after the cached tokens.
+
+    Releases before 5.24 pass ``cache_position``; diffattn places new tokens right after the
+    cached ones and takes positions from the attention mask, so any other value would be
+    silently ignored: it is refused instead. Nothing is read from the device while compiling.
+    """
+    if torch.compiler.is_compiling():
+        return
+    if cache_position.dim() != 1 or cache_position.shape[0] != new_tokens:
+        raise ValueError(
+            f"cache_position must have shape ({new_tokens},), one slot per new token; "
+            f"got {tuple(cache_position.shape)}"
+        )
+    expected = torch.arange(cached_tokens, cached_tokens + new_tokens)
+    if not torch.equal(cache_position.detach().cpu().long(), expected):
+        raise ValueError(
+            f"cache_position {cache_position.tolist()} is not the run of slots after the "
+            f"{cached_tokens} cached tokens ({cached_tokens}..{cached_tokens + new_tokens - 1}); "
+            "diffattn models write new tokens right after the cached ones"
+        )
+
+
+# The arguments each supported release passes to ``create_masks_for_generate``, by name. A
+# name outside this set is a new release's addition that diffattn has not been checked
+# against: an error, not a silent guess.
+MASK_ARGUMENTS_IGNORED = frozenset(
+    {
+        "config",
+        "input_embeds",  # 5.0
+        "inputs_embeds",
+        "cache",  # 5.24
+        "past_key_values",  # before 5.24
+        "cache_position",  # before 5.24
+        "position_ids",  # also passed to forward, which applies them
+        "is_first_iteration",
+    }
+)
+# Accepted only when None: a value would change the mask in a way diffattn does not model.
+MASK_ARGUMENTS_UNSUPPORTED = frozenset({"block_sequence_ids", "token_type_ids", "mm_token_type_ids"})
+
+
+def check_mask_arguments(arguments: dict[str, Any]) -> None:
+    """``TypeError`` naming any argument of ``create_masks_for_generate`` that diffattn neither
+    uses nor knowingly ignores; ``ValueError`` for a supported-when-absent one that is set."""
+    unknown = sorted(set(arguments) - MASK_ARGUMENTS_IGNORED - MASK_ARGUMENTS_UNSUPPORTED)
+    if unknown:
+        raise TypeError(
+            f"create_masks_for_generate got argument(s) diffattn does not know: "
+            f"{', '.join(unknown)} (a transformers release newer than those tested; see "
+            "docs/compatibility.md)"
+        )
+    given = sorted(k for k in MASK_ARGUMENTS_UNSUPPORTED if arguments.get(k) is not None)
+    if given:
+        raise ValueError(f"diffattn models do not support {', '.join(given)} in generate")
+
+
+__all__ = [
+    "CACHE_FIELD",
+    "MASK_ARGUMENTS_IGNORED",
+    "check_cache_position",
+    "check_mask_arguments",
+    "resolve_cache_argument",
+]
