@@ -89,7 +89,9 @@ MASK_ARGUMENTS_IGNORED = frozenset(
     }
 )
 # Accepted only when None: a value would change the mask in a way diffattn does not model.
-MASK_ARGUMENTS_UNSUPPORTED = frozenset({"block_sequence_ids", "token_type_ids", "mm_token_type_ids"})
+MASK_ARGUMENTS_UNSUPPORTED = frozenset(
+    {"block_sequence_ids", "token_type_ids", "mm_token_type_ids"}
+)
 
 
 def check_mask_arguments(arguments: dict[str, Any]) -> None:
