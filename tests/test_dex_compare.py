@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from diffattn.cli import main
-from diffattn.dex.benchmarks import BenchmarkSettings, verdict
+from diffattn.dex_compare.benchmarks import BenchmarkSettings, verdict
 from diffattn.eval import mc
 from diffattn.eval.common import load_models
 from helpers import WORDS, tiny_hf, word_corpus
@@ -192,7 +192,7 @@ def test_settings_round_trip():
 def test_shipped_dex_recipes_load():
     from pathlib import Path
 
-    from diffattn.dex.compare import load_recipe
+    from diffattn.dex_compare import load_recipe
 
     recipes = sorted((Path(__file__).parent.parent / "configs" / "dex").glob("*.yaml"))
     assert [p.name for p in recipes] == ["smollm2-smoke.yaml", "smollm2.yaml"]

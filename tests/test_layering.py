@@ -6,7 +6,7 @@ The layers (``docs/architecture.md``), lowest first:
    checkpoint files);
 2. libraries: data, training, Hugging Face integration, converters, Dex, the capture probe,
    model loading;
-3. experiments: the main job, benchmarks, the evaluation suite, Dex workflows;
+3. experiments: the main job, benchmarks, the evaluation suite, the Dex comparison;
 4. commands: the command line.
 
 Lazy imports inside functions count too. The package root ``diffattn`` is the public facade and
@@ -49,9 +49,7 @@ LAYERS: dict[str, int] = {
     "diffattn.bench": 2,
     "diffattn.eval": 2,
     "diffattn.scaling": 2,
-    "diffattn.dex.train": 2,
-    "diffattn.dex.compare": 2,
-    "diffattn.dex.benchmarks": 2,
+    "diffattn.dex_compare": 2,
     # commands
     "diffattn.commands": 3,
     "diffattn.cli": 3,

@@ -146,7 +146,7 @@ def _run(args: argparse.Namespace) -> int:
         out = dex_train.merge_run(args.adapter, args.model, args.out, overwrite=args.overwrite)
         print(f"merged model: {out}")
         return 0
-    from diffattn.dex.compare import compare_methods, load_recipe
+    from diffattn.dex_compare import compare_methods, load_recipe
 
     recipe = load_recipe(args.recipe) if args.recipe else {"set": [], "benchmarks": None}
     benchmarks = recipe["benchmarks"]

@@ -9,11 +9,11 @@ highest-entropy half of the heads of every layer (§3.2, §4.1) with T = half th
 held-out loss of the pretrained model and of each method is written to ``report.md`` and
 ``report.json`` with ``loss_curves.png`` (training and held-out loss over steps).
 
-With :class:`~diffattn.dex.benchmarks.BenchmarkSettings`, every model (the pretrained one and
-each trained method, LoRA merged into its weights, Dex with its hooks) is also measured on
-zero-shot multiple choice, needle retrieval and the synthetic many-shot ICL task right after it
-is trained (:mod:`diffattn.dex.benchmarks`); ``results.json`` then holds every raw result with
-the settings, the command and the versions, ``benchmarks.png`` the accuracies, and
+With :class:`~diffattn.dex_compare.benchmarks.BenchmarkSettings`, every model (the pretrained
+one and each trained method, LoRA merged into its weights, Dex with its hooks) is also measured
+on zero-shot multiple choice, needle retrieval and the synthetic many-shot ICL task right after
+it is trained (:mod:`diffattn.dex_compare.benchmarks`); ``results.json`` then holds every raw
+result with the settings, the command and the versions, ``benchmarks.png`` the accuracies, and
 ``report.md`` the table and whether Dex beats LoRA r = 8. A recipe file
 (``configs/dex/smollm2.yaml``, :func:`load_recipe`) holds these settings.
 """
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from diffattn.dex import train as dex_train
-from diffattn.dex.benchmarks import BenchmarkSettings
+from diffattn.dex_compare.benchmarks import BenchmarkSettings
 from diffattn.fileio import check_output_directory, clear_output_directory
 from diffattn.loading import ModelSource, load_model, resolve_source
 
@@ -118,7 +118,7 @@ def _tokenizer(source: ModelSource) -> Any:
 def _measure(
     model: nn.Module, method: str, spec: str, tokenizer: Any, kind: str, settings: Any
 ) -> dict[str, Any]:
-    from diffattn.dex.benchmarks import eval_model, evaluate
+    from diffattn.dex_compare.benchmarks import eval_model, evaluate
 
     was_training = model.training
     with torch.no_grad():
@@ -128,7 +128,7 @@ def _measure(
 
 
 def _attach(row: dict[str, Any], method: str, found: dict[str, Any], measured: dict) -> None:
-    from diffattn.dex.benchmarks import summary, timings
+    from diffattn.dex_compare.benchmarks import summary, timings
 
     row["benchmarks"] = summary(method, found)
     row["eval_timings"] = timings(found)
@@ -143,7 +143,7 @@ def _benchmark_report(
     settings: BenchmarkSettings,
 ) -> list[str]:
     """Write ``results.json`` and ``benchmarks.png``; the report's benchmark section."""
-    from diffattn.dex import benchmarks
+    from diffattn.dex_compare import benchmarks
     from diffattn.eval.common import _plain
     from diffattn.version import __version__
 
@@ -237,7 +237,8 @@ def compare_methods(
     """Train each method, evaluate, write the report; returns the ``report.json`` content.
 
     ``benchmarks``: also measure the pretrained model and every trained one on
-    :mod:`diffattn.dex.benchmarks` (the rows then carry ``benchmarks`` and ``eval_timings``).
+    :mod:`diffattn.dex_compare.benchmarks` (the rows then carry ``benchmarks`` and
+    ``eval_timings``).
     """
     from diffattn.compare.plots import plot_losses
     from diffattn.dex.adapter import apply
@@ -382,8 +383,8 @@ def compare_methods(
     (out / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n" + table)
     if benchmarks is not None:
-        from diffattn.dex.benchmarks import table as benchmark_table
-        from diffattn.dex.benchmarks import verdict
+        from diffattn.dex_compare.benchmarks import table as benchmark_table
+        from diffattn.dex_compare.benchmarks import verdict
 
         print("\n" + benchmark_table(rows) + "\n\n" + verdict(rows))
     print(f"\nreport: {out / 'report.md'}")
