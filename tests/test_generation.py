@@ -541,12 +541,53 @@ def test_cli_missing_model_or_tokenizer_is_one_clear_error(model_dir, tmp_path):
     with pytest.raises(CheckpointError, match="model directory not found"):
         _cli([str(tmp_path / "nowhere"), "--prompt", "x"])
     bare = save_model(_model("baseline"), tmp_path / "bare")
-    with pytest.raises(CheckpointError, match=r"no tokenizer\.json"):
+    with pytest.raises(CheckpointError, match=r"no tokenizer \(looked for tokenizer\.json"):
         _cli([str(bare), "--prompt", "x"])
     with pytest.raises(ValueError, match="max_seq_len"):
         _cli([str(model_dir), "--prompt", "x", "--max-new-tokens", "500"])
     with pytest.raises(ValueError, match=r"GenerationConfig\.top_p"):
         _cli([str(model_dir), "--prompt", "x", "--top-p", "2"])
+
+
+def _copy_without_tokenizer(model_dir, target):
+    target.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (target / name).write_bytes((model_dir / name).read_bytes())
+    return target
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_main_without_a_tokenizer_is_one_line_naming_the_files_and_the_fix(
+    model_dir, tmp_path, capsys, broken
+):
+    from diffattn.cli import main
+
+    bare = _copy_without_tokenizer(model_dir, tmp_path / "bare")
+    if broken:  # a config without the tokenizer it describes: transformers' multi-line error
+        (bare / "tokenizer_config.json").write_text("{}")
+    assert main(["generate", str(bare), "--prompt", "x"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"diffattn generate: error: {bare}: ")
+    if broken:
+        assert "cannot load the tokenizer" in lines[0]
+    else:
+        assert "tokenizer.json and tokenizer_config.json" in lines[0]
+        assert "--tokenizer DIR" in lines[0] and "tokenizer/" in lines[0]
+
+
+def test_cli_tokenizer_option_reads_the_tokenizer_from_another_directory(
+    model_dir, tmp_path, capsys
+):
+    bare = _copy_without_tokenizer(model_dir, tmp_path / "bare")
+    argv = ["--prompt", "Differential", "--temperature", "0", "--max-new-tokens", "10"]
+    assert _cli([str(model_dir), *argv]) == 0
+    beside = capsys.readouterr().out
+    assert _cli([str(bare), *argv, "--tokenizer", str(model_dir)]) == 0
+    assert capsys.readouterr().out == beside and len(beside) > len("Differential") + 1
+    with pytest.raises(CheckpointError, match=r"--tokenizer .*: no tokenizer \(looked for"):
+        _cli([str(model_dir), *argv, "--tokenizer", str(tmp_path / "nowhere")])
 
 
 @pytest.mark.parametrize("hide_transformers", [False, True])

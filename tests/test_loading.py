@@ -110,6 +110,21 @@ def test_classification_and_errors_name_the_path(tmp_path):
         resolve_source(tmp_path / "typeless")
 
 
+def test_a_missing_or_broken_tokenizer_is_one_line_naming_the_files(tmp_path):
+    from diffattn.loading import load_saved_tokenizer
+
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(CheckpointError) as missing:
+        load_saved_tokenizer(tmp_path / "bare")
+    message = str(missing.value)
+    assert "\n" not in message and "tokenizer.json and tokenizer_config.json" in message
+    assert "save_model(model, dir, tokenizer=...)" in message
+    (tmp_path / "bare" / "tokenizer.json").write_text("{\n not json")
+    with pytest.raises(CheckpointError, match="cannot load the tokenizer") as broken:
+        load_saved_tokenizer(tmp_path / "bare")
+    assert "\n" not in str(broken.value)
+
+
 def test_loading_does_not_import_transformers():
     import subprocess
     import sys

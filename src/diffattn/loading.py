@@ -256,8 +256,8 @@ def _load_hf_model(directory: Path, device: Any, dtype: Any) -> Any:
 
 
 class TextTokenizer:
-    """``encode`` / ``decode`` / ``eos_token_id`` over what :func:`load_tokenizer` returns: a
-    Hugging Face tokenizer or a ``tokenizers.Tokenizer``."""
+    """``encode`` / ``decode`` / ``eos_token_id`` over what :func:`load_saved_tokenizer`
+    returns: a Hugging Face tokenizer or a ``tokenizers.Tokenizer``."""
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
@@ -291,7 +291,7 @@ def has_tokenizer(directory: str | os.PathLike) -> bool:
     return (directory / TOKENIZER_FILE).is_file() or (directory / TOKENIZER_CONFIG_FILE).is_file()
 
 
-def load_tokenizer(directory: str | os.PathLike) -> Any:
+def load_saved_tokenizer(directory: str | os.PathLike) -> Any:
     """The tokenizer saved in ``directory``: a ``transformers`` tokenizer when transformers is
     installed, else a ``tokenizers.Tokenizer`` read from ``tokenizer.json``.
 
@@ -301,8 +301,10 @@ def load_tokenizer(directory: str | os.PathLike) -> Any:
     file = directory / TOKENIZER_FILE
     if not has_tokenizer(directory):
         raise CheckpointError(
-            f"{directory}: no {TOKENIZER_FILE} found; save the model with its tokenizer "
-            "(diffattn.checkpoint.save_model(model, dir, tokenizer=...))"
+            f"{directory}: no tokenizer (looked for {TOKENIZER_FILE} and "
+            f"{TOKENIZER_CONFIG_FILE}); copy the files of the tokenizer the model was trained "
+            "with into it, or save the model with "
+            "diffattn.checkpoint.save_model(model, dir, tokenizer=...)"
         )
     try:
         try:
@@ -321,10 +323,11 @@ def load_tokenizer(directory: str | os.PathLike) -> Any:
         if (directory / TOKENIZER_CONFIG_FILE).is_file():
             return transformers.AutoTokenizer.from_pretrained(str(directory))
         return transformers.PreTrainedTokenizerFast(tokenizer_file=str(file))
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except Exception as error:  # tokenizers raises a bare Exception for a malformed file
         if isinstance(error, CheckpointError):
             raise
-        raise CheckpointError(f"{directory}: cannot load the tokenizer ({error})") from error
+        reason = " ".join(str(error).split()) or type(error).__name__  # one line
+        raise CheckpointError(f"{directory}: cannot load the tokenizer ({reason})") from error
 
 
 def load_model_and_tokenizer(
@@ -338,11 +341,11 @@ def load_model_and_tokenizer(
 
     Returns ``(model, tokenizer, source)``: the model in eval mode (see :func:`load_model`
     for ``device``, ``dtype`` and ``config_overrides``), the tokenizer stored beside the
-    weights (:func:`load_tokenizer`; ``None`` when none is stored) and the
+    weights (:func:`load_saved_tokenizer`; ``None`` when none is stored) and the
     :class:`ModelSource` that was loaded. ``base`` names a Dex adapter's pretrained model.
     """
     source = resolve_source(path, base=base)
     model = load_model(source, device=device, dtype=dtype, **config_overrides)
     directory = source.model_dir
-    tokenizer = load_tokenizer(directory) if has_tokenizer(directory) else None
+    tokenizer = load_saved_tokenizer(directory) if has_tokenizer(directory) else None
     return LoadedModel(model, tokenizer, source)

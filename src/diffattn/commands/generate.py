@@ -2,8 +2,9 @@
 
 The model directory is read with :func:`diffattn.checkpoint.load_model`; the tokenizer is the
 one saved beside it the Hugging Face way (``tokenizer.json``, plus ``tokenizer_config.json``
-when present), loaded by :func:`diffattn.loading.load_tokenizer` (with ``transformers`` when
-it is installed and with ``tokenizers`` otherwise). The EOS id comes from
+when present), or the one in ``--tokenizer DIR``, loaded by
+:func:`diffattn.loading.load_saved_tokenizer` (with ``transformers`` when it is installed and
+with ``tokenizers`` otherwise). The EOS id comes from
 ``generation_config.json``, else the tokenizer, else ``config.json``. Text is printed as
 tokens arrive: the whole sequence is decoded after every token and only the new suffix is
 written (and flushed), holding back a trailing U+FFFD while a multi-byte character is still
@@ -38,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = parser.description or DESCRIPTION
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="diffattn model directory")
     parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        default=None,
+        help="directory holding the tokenizer files (tokenizer.json and/or "
+        "tokenizer_config.json), such as the tokenizer/ of a training run or of a prepared "
+        "data directory (default: MODEL_DIR)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="default: 64")
     parser.add_argument(
         "--temperature", type=float, default=1.0, help="0 means greedy (default: 1.0)"
@@ -71,11 +80,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ----------------------------------------------------------------------------------------
 # tokenizers
-def load_tokenizer(model_dir: str | Path) -> TextTokenizer:
-    """The tokenizer saved in ``model_dir`` (:func:`diffattn.loading.load_tokenizer`); a
-    missing or broken one is a :class:`~diffattn.fileio.CheckpointError`."""
-    from diffattn.loading import load_tokenizer as load_saved_tokenizer
+def text_tokenizer(model_dir: str | Path, tokenizer_dir: str | Path | None = None) -> TextTokenizer:
+    """The tokenizer saved in ``tokenizer_dir`` (default: ``model_dir``), read by
+    :func:`diffattn.loading.load_saved_tokenizer`. A missing or broken one is a one-line
+    :class:`~diffattn.fileio.CheckpointError` naming the files looked for and how to add them."""
+    from diffattn.fileio import CheckpointError
+    from diffattn.loading import (
+        TOKENIZER_CONFIG_FILE,
+        TOKENIZER_FILE,
+        has_tokenizer,
+        load_saved_tokenizer,
+    )
 
+    files = f"{TOKENIZER_FILE} and {TOKENIZER_CONFIG_FILE}"
+    if tokenizer_dir is not None:
+        if not has_tokenizer(tokenizer_dir):
+            raise CheckpointError(f"--tokenizer {tokenizer_dir}: no tokenizer (looked for {files})")
+        return TextTokenizer(load_saved_tokenizer(tokenizer_dir))
+    if not has_tokenizer(model_dir):
+        raise CheckpointError(
+            f"{model_dir}: no tokenizer (looked for {files}); copy the tokenizer files the "
+            "model was trained with into it (a training run or a prepared data directory "
+            "keeps them in its tokenizer/), or pass --tokenizer DIR"
+        )
     return TextTokenizer(load_saved_tokenizer(model_dir))
 
 
@@ -186,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         cache=cache,
         compile=args.compile,
     )  # validates the sampling options before anything is loaded
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = text_tokenizer(model_dir, args.tokenizer)
     config = config.replace(eos_token_id=eos_token_ids(model_dir, tokenizer))
     overrides = {"backend": args.backend} if args.backend else {}
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]

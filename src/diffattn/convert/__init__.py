@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from diffattn.convert.common import check_output_dir, parse_dtype
-from diffattn.convert.detect import SOURCE_KINDS, detect_source, resolve_source
+from diffattn.convert.detect import SOURCE_KINDS, detect_source, resolve_convert_source
 from diffattn.convert.gguf import cache_root, export_gguf, smollm2_path
 
 TARGETS: tuple[str, ...] = ("diffattn", "hf-llama", "hf-diffllama")
@@ -98,7 +98,7 @@ def convert(
         problem: unsupported model type or feature, wrong target, unusable output directory,
         pickle-only weights, missing or mis-shaped tensors.
     """
-    kind, path = resolve_source(src)
+    kind, path = resolve_convert_source(src)
     target = _check_target(kind, to)
     torch_dtype = parse_dtype(dtype)
     out = Path(out)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from diffattn.loading import resolve_source as resolve_model_source
+from diffattn.loading import resolve_source
 
 SOURCE_KINDS: tuple[str, ...] = ("hf-llama", "hf-diffllama", "diffattn", "gguf")
 MODEL_TYPES = {"llama": "hf-llama", "diffllama": "hf-diffllama", "diffattn": "diffattn"}
@@ -27,14 +27,15 @@ SUPPORTED = (
 )
 
 
-def resolve_source(src: str | os.PathLike) -> tuple[str, Path]:
-    """The kind of ``src`` (one of :data:`SOURCE_KINDS`) and the path to read it from.
+def resolve_convert_source(src: str | os.PathLike) -> tuple[str, Path]:
+    """The convert kind of ``src`` (one of :data:`SOURCE_KINDS`) and the path to read it from.
 
     For GGUF sources the path is the ``.gguf`` file itself; otherwise it is the directory.
-    Classification is :func:`diffattn.loading.resolve_source`'s; other kinds are refused
-    naming what convert supports.
+    Classification is :func:`diffattn.loading.resolve_source`'s (which returns a
+    :class:`~diffattn.loading.ModelSource` for any loadable model), narrowed to what convert
+    supports; other kinds are refused naming what convert supports.
     """
-    source = resolve_model_source(src)
+    source = resolve_source(src)
     if source.kind == "gguf":
         return "gguf", source.path
     if source.model_type in MODEL_TYPES:
@@ -56,4 +57,4 @@ def detect_source(src: str | os.PathLike) -> str:
     Raises ``ValueError`` for a missing path or an unsupported ``model_type``, naming what
     is supported.
     """
-    return resolve_source(src)[0]
+    return resolve_convert_source(src)[0]

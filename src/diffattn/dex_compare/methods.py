@@ -105,14 +105,14 @@ def _for_eval(model: nn.Module, method: str) -> tuple[nn.Module, str]:
 
 
 def _tokenizer(source: ModelSource) -> Any:
-    from diffattn.loading import has_tokenizer, load_tokenizer
+    from diffattn.loading import has_tokenizer, load_saved_tokenizer
 
     directory = source.model_dir
     if not has_tokenizer(directory):
         raise ValueError(
             f"model {source.spec!r} has no tokenizer stored with it; the benchmarks need one"
         )
-    return load_tokenizer(directory)
+    return load_saved_tokenizer(directory)
 
 
 def _measure(
