@@ -137,6 +137,13 @@ def resolve_selection(
     return chosen, heads, queries
 
 
+def _vocab_size(model: nn.Module) -> int:
+    embeddings = getattr(model, "get_input_embeddings", None)
+    if callable(embeddings):
+        return int(embeddings().weight.shape[0])
+    return int(model.config.vocab_size)
+
+
 @torch.no_grad()
 def capture_maps(
     model: nn.Module,
@@ -155,6 +162,10 @@ def capture_maps(
 
     ids = [int(t) for t in token_ids]
     layers, heads, queries = resolve_selection(model, len(ids), layers, heads, queries)
+    vocab = _vocab_size(model)
+    bad = sorted({t for t in ids if not 0 <= t < vocab})
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside the model's vocabulary of {vocab}")
     kinds = {v.index: v.kind for v in view(model).layers}
     capture = AttentionMaps(
         what=("probs", "applied", "lam"), layers=layers, heads=heads, query_positions=queries
@@ -336,10 +347,10 @@ def plot_heatmap(
             values = np.ma.masked_where(~causal, maps.maps[name][row].numpy())
             if name == "applied":
                 limit = clip([maps.maps[name][row].numpy()])
-                cmap, vmin, vmax, extend = plt.get_cmap("RdBu").copy(), -limit, limit, "both"
+                cmap, vmin, vmax, extend = plt.get_cmap("RdBu"), -limit, limit, "both"
             else:
-                cmap, vmin, vmax, extend = plt.get_cmap("Blues").copy(), 0.0, probs_max, "max"
-            cmap.set_bad("#dddddd")
+                cmap, vmin, vmax, extend = plt.get_cmap("Blues"), 0.0, probs_max, "max"
+            cmap = cmap.with_extremes(bad="#dddddd")
             image = ax.imshow(values, cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
             bar = fig.colorbar(image, ax=ax, fraction=0.046, pad=0.02, extend=extend)
             bar.ax.tick_params(labelsize=7)
@@ -370,11 +381,10 @@ def prompt_ids(
         raise ValueError("give exactly one of --prompt, --prompt-file and --token-ids")
     if token_ids is not None:
         ids = [int(t) for t in token_ids]
-        bad = sorted({t for t in ids if not 0 <= t < model.vocab_size})
+        vocab = _vocab_size(model.model)
+        bad = sorted({t for t in ids if not 0 <= t < vocab})
         if bad:
-            raise ValueError(
-                f"--token-ids {bad[:5]}: outside {model.name}'s vocabulary of {model.vocab_size}"
-            )
+            raise ValueError(f"--token-ids {bad[:5]}: outside {model.name}'s vocabulary of {vocab}")
     else:
         if not prompt.strip():
             raise ValueError("the prompt is empty")
