@@ -92,18 +92,7 @@ def test_hf_llama_maps_equal_transformers_eager_attention():
 
 
 def test_hf_diffllama_maps_equal_transformers_and_a1_minus_lambda_a2():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.DiffLlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = transformers.DiffLlamaForCausalLM(config).eval()
+    model = tiny_hf("diffllama")
     model.set_attn_implementation("eager")
     with torch.no_grad():
         reference = model(input_ids=torch.tensor([IDS]), output_attentions=True).attentions
