@@ -289,7 +289,7 @@ def plot_rows(
                     )
             ax.bar(range(n), values, color=colour, width=0.85)
             ax.axhline(0, color="black", linewidth=0.5)
-            bottom = -limit * 1.05 if name == "applied" and values.min() < 0 else 0
+            bottom = min(0.0, float(values.min()) * 1.15)
             ax.set_ylim(bottom, limit * 1.05)
             ax.set_xlim(-0.6, n - 0.4)
             extra = _lambda_text(maps, col, slot) if name == "applied" else ""
