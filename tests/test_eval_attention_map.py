@@ -195,7 +195,7 @@ def test_command_writes_figures_and_the_probe_maps(model_dirs, tmp_path):
     out = tmp_path / "out"
     prompt = "def f(x):\n    return x + 1"
     argv = ["eval", "attention", str(model_dirs["diff_v1"]), "--compare", str(model_dirs["llama"])]
-    argv += ["--prompt", prompt, "--heads", "1", "--query=-1,3", "--view", "both"]
+    argv += ["--prompt", prompt, "--layers", "1", "--heads", "1", "--query=-1,3", "--view", "both"]
     assert main([*argv, "--out", str(out), "--quiet"]) == 0
     values = json.loads((out / am.MAPS_NAME).read_text())
     record = json.loads((out / "results.json").read_text())
@@ -205,7 +205,8 @@ def test_command_writes_figures_and_the_probe_maps(model_dirs, tmp_path):
         entry = values["models"][model.name]
         ids = model.tokenizer.encode(prompt, special=True)
         assert entry["token_ids"] == ids
-        direct = am.capture_maps(model.model, ids, heads=[1], queries=None)
+        direct = am.capture_maps(model.model, ids, layers=[1], heads=[1], queries=None)
+        assert list(entry["layers"]) == ["1"]
         n = len(ids)
         for layer, maps in direct.items():
             saved = entry["layers"][str(layer)]
@@ -222,10 +223,10 @@ def test_command_writes_figures_and_the_probe_maps(model_dirs, tmp_path):
                 assert png.read_bytes()[:4] == b"\x89PNG"
         rows = record["results"]["models"][model.name]["rows"]
         assert {(r["layer"], r["head"], r["query"]) for r in rows} == {
-            (layer, 1, q) for layer in (0, 1) for q in (3, n - 1)
+            (1, 1, q) for q in (3, n - 1)
         }
     report = (out / "report.md").read_text()
-    assert "top keys" in report and "attention_diff_v1_L0_q3.png" in report
+    assert "top keys" in report and "attention_diff_v1_L1_q3.png" in report
 
 
 def test_command_takes_token_ids_for_a_model_without_tokenizer(model_dirs, tmp_path):
