@@ -34,7 +34,8 @@ def tiny_diffattn(
 
 
 def tiny_hf(kind: str = "llama", seed: int = 0, **overrides: Any) -> nn.Module:
-    """A tiny Hugging Face ``LlamaForCausalLM`` (or ``qwen2`` / ``mistral``) in eval mode;
+    """A tiny Hugging Face ``LlamaForCausalLM`` (or ``qwen2`` / ``mistral`` / ``diffllama``) in
+    eval mode;
     ``overrides`` replace config fields (e.g. ``num_attention_heads=8``)."""
     import transformers
 
@@ -42,6 +43,7 @@ def tiny_hf(kind: str = "llama", seed: int = 0, **overrides: Any) -> nn.Module:
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "diffllama": (transformers.DiffLlamaConfig, transformers.DiffLlamaForCausalLM),
     }[kind]
     fields = dict(
         hidden_size=64,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from diffattn.data import BatchLoader, ShardWriter, eval_batches
+from diffattn.data.loader import spread_windows
 
 VOCAB = 5000
 
@@ -124,9 +125,66 @@ def test_eval_batches_are_fixed_and_unshuffled(shards):
     again = list(eval_batches(shards, 16, seq))
     assert all(torch.equal(x, y) for x, y in zip(batches, again, strict=True))
     assert len(list(eval_batches(shards, 16, seq, max_batches=2))) == 2
-    assert all(b.shape[0] == 16 for b in eval_batches(shards, 16, seq, drop_last=True))
+    full = list(eval_batches(shards, 16, seq, drop_last=True))
+    assert all(b.shape[0] == 16 for b in full)
+    # several ranks drop the partial batch, so they split the windows of the drop_last listing
     halves = [list(eval_batches(shards, 16, seq, rank=r, world_size=2)) for r in (0, 1)]
+    assert len(halves[0]) == len(full)
     for i, (a, b) in enumerate(zip(*halves, strict=True)):
-        assert torch.equal(torch.cat([a, b]), batches[i])
+        assert torch.equal(torch.cat([a, b]), full[i])
     with pytest.raises(ValueError, match="do not fill one window"):
         list(eval_batches(shards, 1, shards.num_tokens + 1))
+
+
+def test_spread_windows_cover_the_stream_evenly():
+    assert spread_windows(10, 4).tolist() == [0, 2, 5, 7]
+    assert spread_windows(7, 7).tolist() == list(range(7))
+    assert spread_windows(7, 100).tolist() == list(range(7))  # never more than exist
+    assert spread_windows(1, 1).tolist() == [0]
+    for n, k in [(129, 16), (1000, 7), (16, 15)]:
+        picked = spread_windows(n, k)
+        assert len(picked) == k and len(set(picked.tolist())) == k
+        assert picked[0] == 0 and picked[-1] >= n - n // k - 1
+        gaps = np.diff(picked)
+        assert gaps.min() >= n // k and gaps.max() <= -(-n // k)  # as even as integers allow
+    with pytest.raises(ValueError, match="count must be a positive integer"):
+        spread_windows(10, 0)
+    with pytest.raises(ValueError, match="num_windows must be a positive integer"):
+        spread_windows(0, 3)
+
+
+def test_capped_eval_batches_are_spread_over_the_whole_stream(shards):
+    seq, size = 32, 4
+    windows = shards.num_tokens // seq
+    batches = list(eval_batches(shards, size, seq, max_batches=3))
+    assert [b.shape[0] for b in batches] == [size] * 3
+    expected = spread_windows(windows, 3 * size)
+    assert expected[-1] > windows * 3 // 4  # the tail of the stream is read
+    for row, window in zip(torch.cat(batches), expected.tolist(), strict=True):
+        assert row.tolist() == shards.read(window * seq, seq).tolist()
+    first = torch.cat(list(eval_batches(shards, size, seq, max_batches=3, spread=False)))
+    assert first.reshape(-1).tolist() == shards.read(0, 3 * size * seq).tolist()
+    # ranks split every batch of the same windows
+    halves = [list(eval_batches(shards, size, seq, 3, rank=r, world_size=2)) for r in (0, 1)]
+    for i, (a, b) in enumerate(zip(*halves, strict=True)):
+        assert torch.equal(torch.cat([a, b]), batches[i])
+
+
+def test_spread_validation_follows_the_mix_of_a_concatenated_stream(tmp_path):
+    """Two sources one after the other (as a prepared mix's held-out split is written): the
+    first windows see only the first source, spread windows see both in proportion."""
+    writer = ShardWriter(
+        tmp_path / "mix", vocab_size=VOCAB, eos_id=0, tokenizer_name="t", shard_tokens=500
+    )
+    for token, docs in ((1, 30), (2, 10)):  # 3:1 by tokens
+        for _ in range(docs):
+            writer.add([token] * 99)
+    mix = writer.close()
+    seq, size, batches = 25, 8, 2
+
+    def share_of_second(spread):
+        rows = torch.cat(list(eval_batches(mix, size, seq, batches, spread=spread)))
+        return float((rows == 2).sum() / (rows != 0).sum())
+
+    assert share_of_second(spread=False) == 0.0
+    assert share_of_second(spread=True) == pytest.approx(0.25, abs=1 / (size * batches))

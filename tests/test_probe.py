@@ -256,18 +256,7 @@ def test_hf_models_through_eager_attention_hooks(kind):
 
 
 def test_hf_diffllama_maps_are_differential():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.DiffLlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = transformers.DiffLlamaForCausalLM(config).eval()
+    model = tiny_hf("diffllama", vocab_size=VOCAB)
     ids, _ = _inputs(11, padded=False)
     model.set_attn_implementation("eager")
     reference = model(input_ids=ids, output_attentions=True)

@@ -51,6 +51,28 @@ def test_evaluate_returns_per_token_losses_and_their_mean(tmp_path, data_cache):
     assert float(detailed.token_losses.double().mean()) == pytest.approx(plain.loss, abs=1e-5)
 
 
+def test_validation_windows_are_spread_over_the_whole_held_out_stream(tmp_path, data_cache):
+    """The trainer validates on windows spread evenly over the held-out stream (the windows
+    ``diffattn compare`` measures on), not on its first windows."""
+    from diffattn.data.loader import spread_windows
+    from diffattn.probe import token_nll
+
+    recipe = tiny_recipe(data_cache, steps=1, eval_every=1)
+    trainer = Trainer(TrainConfig.from_dict(recipe), tmp_path / "run", progress=False)
+    result = trainer.run()
+    valid, seq = trainer.data.valid, recipe["seq_len"]
+    count = recipe["eval_batches"] * recipe["global_batch_size"]
+    picked = spread_windows(valid.num_tokens // seq, count)
+    assert picked[-1] >= (valid.num_tokens // seq) * (count - 1) // count  # reaches the end
+    rows = torch.cat(trainer.eval_list)
+    expected = torch.stack([torch.as_tensor(valid.read(int(w) * seq, seq)) for w in picked])
+    assert torch.equal(rows, expected.long())
+    with torch.no_grad():
+        model = trainer.model.eval()
+        nll = torch.cat([token_nll(model(chunk).logits, chunk) for chunk in rows.split(4)])
+    assert result.val_losses[1] == pytest.approx(float(nll.double().mean()), abs=1e-5)
+
+
 # ----------------------------------------------------------------------------------------
 # any nn.Module through DDP
 def tiny_llama() -> torch.nn.Module:

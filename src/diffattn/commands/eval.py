@@ -9,7 +9,8 @@ import importlib.util
 DESCRIPTION = (
     "Measure the papers' claims on any model: fine-grained loss, multi-needle retrieval, "
     "activation outliers and quantization, head analyses, Dex effective attention, Hessian "
-    "spectra. Writes results.json, report.md and PNG figures to --out (docs/eval.md)."
+    "spectra, and the attention picture (A1, A2, A1 − λA2) of any model on your own prompt. "
+    "Writes results.json, report.md and PNG figures to --out (docs/eval.md)."
 )
 
 
@@ -48,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     from diffattn.fileio import check_output_directory, clear_output_directory, read_json
 
     args.out = Path(args.out or f"runs/eval/{args.experiment}")
+    prepare = getattr(importlib.import_module(args.experiment_main.__module__), "prepare", None)
+    if prepare is not None:  # check the arguments against the models before touching --out
+        args.prepared = prepare(args)
     own = False
     if (args.out / RESULTS_NAME).is_file():  # an earlier run of the same experiment
         try:

@@ -10,6 +10,10 @@ global batches of ``batch_size`` windows (the ``num_windows % batch_size`` left 
 epoch are skipped; the next permutation differs). Under data parallelism rank r of W takes
 rows ``[r*b, (r+1)*b)`` of every global batch, ``b = batch_size // W``, so W ranks together see
 exactly the batches one process sees.
+
+Validation (:func:`eval_batches`) reads no permutation: a fixed set of windows spread evenly
+over the whole stream (:func:`spread_windows`), so a held-out split that concatenates several
+sources is measured in the mix's proportions.
 """
 
 from __future__ import annotations
@@ -176,6 +180,20 @@ class BatchLoader:
         self.epoch, self.index = int(epoch), int(index)
 
 
+def spread_windows(num_windows: int, count: int) -> np.ndarray:
+    """``count`` window indices spread evenly over ``num_windows`` windows, in stream order:
+    window ``⌊i · num_windows / count⌋`` for ``i = 0 … count − 1``.
+
+    Every stretch of the stream is represented in proportion to its length, so a stream that
+    concatenates several sources (documents of a mix, grouped by source) is sampled in the
+    mix's proportions rather than by whichever source comes first. ``count ≥ num_windows``
+    gives every window.
+    """
+    num_windows = _positive("num_windows", num_windows)
+    count = min(_positive("count", count), num_windows)
+    return np.arange(count, dtype=np.int64) * num_windows // count
+
+
 def eval_batches(
     shards: ShardsLike,
     batch_size: int,
@@ -185,13 +203,16 @@ def eval_batches(
     rank: int = 0,
     world_size: int = 1,
     drop_last: bool = False,
+    spread: bool = True,
 ) -> Iterator[torch.Tensor]:
-    """A fixed, unshuffled sequence of batches over the first windows of ``shards``.
+    """A fixed, unshuffled sequence of batches of ``seq_len`` windows of ``shards``.
 
-    Batch i holds windows ``[i*batch_size, (i+1)*batch_size)``; with ``world_size > 1`` each
-    rank gets its rows of every batch and an incomplete last batch is dropped (also when
-    ``drop_last``). ``max_batches`` caps the number of batches. Every call yields the same
-    tensors.
+    The number of batches is every full batch of the stream's windows, plus an incomplete last
+    one unless ``drop_last`` or ``world_size > 1``, capped at ``max_batches``. The windows they
+    hold are spread evenly over the whole stream (:func:`spread_windows`), in stream order,
+    batch i holding the i-th ``batch_size`` of them; with ``spread=False`` they are the first
+    windows instead. With ``world_size > 1`` each rank gets its rows of every batch. Every call
+    yields the same tensors.
     """
     batch_size = _positive("batch_size", batch_size)
     seq_len = _positive("seq_len", seq_len)
@@ -210,7 +231,8 @@ def eval_batches(
         )
     if max_batches is not None:
         count = min(count, max_batches)
-    windows = np.arange(num_windows, dtype=np.int64)
+    take = min(num_windows, count * batch_size)
+    windows = spread_windows(num_windows, take) if spread else np.arange(take, dtype=np.int64)
     for batch in range(count):
         rows = windows[batch * batch_size : (batch + 1) * batch_size]
         if world_size > 1:

@@ -162,7 +162,9 @@ def calibration_batches(config: Any, data: Any, batches: int = 2) -> list[torch.
     """Calibration batches for head selection: the first windows of the training split."""
     from diffattn.data import eval_batches
 
-    found = list(eval_batches(data.train, config.global_batch_size, config.seq_len, batches))
+    found = list(
+        eval_batches(data.train, config.global_batch_size, config.seq_len, batches, spread=False)
+    )
     if not found:
         raise ValueError("the training split is too small for one calibration batch")
     return found

@@ -16,5 +16,6 @@ EXPERIMENTS = (
     "mc",
     "icl",
     "hallucination",
+    "attention_map",
 )
 """Experiment modules, in the order the command line lists them (present ones only)."""

@@ -13,7 +13,10 @@
   gradients synchronised only on the last one. Then clip the global gradient norm; agree over
   ranks on the mean loss and on stop requests; stop if the loss or the gradient norm is not
   finite (weights untouched); take the AdamW step; call the step callbacks.
-* :meth:`Trainer.evaluate`: the mean validation loss, and per-token losses on request.
+* :meth:`Trainer.evaluate`: the mean validation loss, and per-token losses on request, over
+  ``eval_batches × eval_batch_size`` windows spread evenly over the whole validation stream
+  (:func:`~diffattn.data.loader.spread_windows`), so every source of a data mix counts in
+  proportion to its held-out tokens.
 * :meth:`Trainer.save`: a checkpoint of the current step.
 
 ``run`` logs, evaluates and checkpoints as configured after each step. Only rank 0 logs and
@@ -665,8 +668,9 @@ class Trainer:
         self.notes += [f"schedule {change}" for change in changes]
 
     def _build_eval_batches(self, announce: bool = False) -> list[torch.Tensor]:
-        """The fixed validation batches (this rank's rows); empty when the split is too
-        small, with a note when ``announce``."""
+        """The fixed validation batches (this rank's rows): ``eval_batches`` batches of
+        windows spread evenly over the validation stream, the same for every launch; empty
+        when the split is too small, with a note when ``announce``."""
         from diffattn.data import eval_batches
 
         config = self.config
