@@ -253,3 +253,14 @@ def test_hf_tp_plan_auto_gives_the_logits_of_one_process(tmp_path):
     for r in results:
         assert r["sharded"] > 0 and r["same_generation"], r
         assert r["logit_diff"] <= TOLERANCE and r["cache_diff"] <= TOLERANCE, r
+
+
+def test_static_cache_refuses_the_local_heads_of_a_shard():
+    """A slice assignment would broadcast one local KV head into every cached head."""
+    from diffattn.cache import StaticCache
+
+    config = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2)
+    cache = StaticCache(config, batch_size=1, max_len=8)
+    local = torch.randn(1, 1, 3, config.dim_per_head)
+    with pytest.raises(ValueError, match=r"\(batch, heads\) = \(1, 2\), got keys \(1, 1\)"):
+        cache.update(0, local, local)
