@@ -124,6 +124,13 @@ class StaticCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``, ``v`` of shape ``(B, H, n, w)`` and return the full buffers."""
         keys, values = self.keys[layer_index], self.values[layer_index]
+        if k.shape[:2] != keys.shape[:2] or v.shape[:2] != values.shape[:2]:
+            # a slice assignment would broadcast one head into all (e.g. a tensor-parallel
+            # rank's local heads): refuse instead
+            raise ValueError(
+                f"StaticCache holds (batch, heads) = {tuple(keys.shape[:2])}, got keys "
+                f"{tuple(k.shape[:2])} and values {tuple(v.shape[:2])}"
+            )
         if self._slots is not None:  # tensor slots: no host value is read (compile-friendly)
             keys.index_copy_(2, self._slots, k.to(keys.dtype))
             values.index_copy_(2, self._slots, v.to(values.dtype))

@@ -2,9 +2,34 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def _is_dtensor(x: torch.Tensor) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists until imported
+    return module is not None and isinstance(x, module.DTensor)
+
+
+def local_share(value: torch.Tensor | None) -> torch.Tensor | None:
+    """A replicated value as the plain tensor that this rank's local computation reads.
+
+    Under tensor parallelism a parameter that every rank holds whole (DIFF V1's λ vectors,
+    the per-head norm's weight) is a DTensor with ``Replicate`` placement, but the heads it
+    acts on are split over the ranks; each rank's gradient is then its heads' share, and the
+    full gradient is their sum. The value is returned as its local tensor with the gradient
+    declared ``Partial``; DTensor's redistribution sums the shares over the mesh in backward.
+    A plain tensor (one process, DDP, FSDP2 alone) is returned unchanged."""
+    if value is None or not _is_dtensor(value):
+        return value
+    from torch.distributed.tensor import Partial, Replicate
+
+    mesh = value.device_mesh
+    replicated = value.redistribute(mesh, [Replicate()] * mesh.ndim)
+    return replicated.to_local(grad_placements=[Partial()] * mesh.ndim)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -32,7 +57,10 @@ class RMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        # A DTensor input is the tensor-parallel plan's replicated stream; a plain input under
+        # a DTensor weight is a rank's local heads (:func:`local_share`).
+        weight = self.weight if _is_dtensor(x) else local_share(self.weight)
+        return rms_norm(x, weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, learnable={self.weight is not None}"

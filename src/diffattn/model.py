@@ -341,7 +341,8 @@ class DiffTransformerLM(nn.Module):
         x = self.norm(x)
         if output_hidden_states:
             hidden[-1] = x
-        logits = F.linear(x, self.output_weight)
+        # the module call (not F.linear on its weight) lets a tensor-parallel plan shard it
+        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.output_weight)
 
         loss = None
         if labels is not None:

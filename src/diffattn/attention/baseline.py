@@ -39,7 +39,7 @@ class BaselineAttention(nn.Module):
         need_weights: bool = False,
         cache=None,
     ) -> tuple[torch.Tensor, AttentionMaps | None]:
-        q, k, v = project_qkv(self, x, rope, cache, self.n_heads, self.n_kv_heads, self.n_kv_heads)
+        q, k, v = project_qkv(self, x, rope, cache, self.head_dim)
         (out, _), maps = with_maps(
             self.layer_index,
             need_weights,

@@ -10,10 +10,16 @@ from diffattn.attention.observe import MapRecorder, observing
 from diffattn.layers import apply_rotary
 
 
-def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """``(B, N, n_heads·w)`` → ``(B, n_heads, N, w)``."""
-    bsz, n, _ = x.shape
-    return x.view(bsz, n, n_heads, -1).transpose(1, 2)
+def split_heads(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``(B, N, H·width)`` → ``(B, H, N, width)``.
+
+    The head count is read from the projection's output size, so a module whose projections
+    hold only some of the heads (a tensor-parallel shard: whole KV groups per rank) works on
+    its local heads unchanged."""
+    bsz, n, channels = x.shape
+    if channels % width:
+        raise ValueError(f"{channels} projected channels are not whole heads of width {width}")
+    return x.view(bsz, n, channels // width, width).transpose(1, 2)
 
 
 def merge_heads(x: torch.Tensor) -> torch.Tensor:
@@ -40,16 +46,17 @@ class AttentionMaps:
     lam: torch.Tensor | None = None
 
 
-def project_qkv(module, x, rope, cache, q_heads: int, k_heads: int, v_heads: int):
+def project_qkv(module, x, rope, cache, v_width: int):
     """Q, K, V of an attention module: split into heads, RoPE on Q and K, and the cache.
 
-    ``module`` has ``q_proj``, ``k_proj``, ``v_proj``, ``config`` and ``layer_index``; K and V
-    are returned with the cached keys and values in front when ``cache`` is given.
+    ``module`` has ``q_proj``, ``k_proj``, ``v_proj``, ``head_dim``, ``config`` and
+    ``layer_index``; Q and K heads have width ``head_dim``, V heads ``v_width``. K and V are
+    returned with the cached keys and values in front when ``cache`` is given.
     """
-    style = module.config.rope_style
-    q = apply_rotary(split_heads(module.q_proj(x), q_heads), *rope, style)
-    k = apply_rotary(split_heads(module.k_proj(x), k_heads), *rope, style)
-    v = split_heads(module.v_proj(x), v_heads)
+    style, d = module.config.rope_style, module.head_dim
+    q = apply_rotary(split_heads(module.q_proj(x), d), *rope, style)
+    k = apply_rotary(split_heads(module.k_proj(x), d), *rope, style)
+    v = split_heads(module.v_proj(x), v_width)
     if cache is not None:
         k, v = cache.update(module.layer_index, k, v)
     return q, k, v

@@ -24,7 +24,7 @@ from diffattn.attention.common import (
 )
 from diffattn.attention.kernels import AttentionMask, differential_attention
 from diffattn.config import ModelConfig
-from diffattn.layers import RMSNorm, memo_by_version
+from diffattn.layers import RMSNorm, local_share, memo_by_version
 
 
 def reparameterised_lambda(module: nn.Module) -> torch.Tensor:
@@ -92,11 +92,10 @@ class DiffAttentionV1(nn.Module):
         cache=None,
     ) -> tuple[torch.Tensor, AttentionMaps | None]:
         # K half-heads interleaved, V heads of width 2d (B, H_kv, N, 2d); cached as computed
-        heads, kv = self.n_heads, self.n_kv_heads
-        q, k, v = project_qkv(self, x, rope, cache, 2 * heads, 2 * kv, kv)
+        q, k, v = project_qkv(self, x, rope, cache, 2 * self.head_dim)
         q1, q2 = q[:, 0::2], q[:, 1::2]
         k1, k2 = k[:, 0::2], k[:, 1::2]
-        lam = self.lambda_full()
+        lam = local_share(self.lambda_full())  # replicated λ, read by this rank's heads
         (out, _), maps = with_maps(
             self.layer_index,
             need_weights,

@@ -62,8 +62,7 @@ class DiffAttentionV2(nn.Module):
         need_weights: bool = False,
         cache=None,
     ) -> tuple[torch.Tensor, AttentionMaps | None]:
-        kv = self.n_kv_heads
-        q, k, v = project_qkv(self, x, rope, cache, 2 * self.n_heads, kv, kv)
+        q, k, v = project_qkv(self, x, rope, cache, self.head_dim)
         lam = self.token_lambda(x)
         out, maps = with_maps(
             self.layer_index,

@@ -44,6 +44,7 @@ from diffattn.hf.compat import (
     resolve_cache_argument,
 )
 from diffattn.hf.configuration import DiffAttnConfig
+from diffattn.hf.tp_plan import TP_PLAN
 from diffattn.model import DiffTransformerLM, next_token_loss
 
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
@@ -148,6 +149,8 @@ class DiffAttnPreTrainedModel(PreTrainedModel):
 
 class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
     """Causal LM head model: ``forward`` returns HF's ``CausalLMOutputWithPast``."""
+
+    _tp_plan = TP_PLAN  # from_pretrained(..., tp_plan="auto"): see diffattn.hf.tp_plan
 
     def __init__(self, config: DiffAttnConfig) -> None:
         super().__init__(config)

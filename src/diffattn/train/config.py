@@ -182,6 +182,11 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder block in backward (``torch.utils.checkpoint``, non-reentrant)."""
     parallel: Parallel = "none"
+    tp: int = 1
+    """Tensor-parallel degree: each model is split by KV groups over this many consecutive
+    ranks (``diffattn.train.tensor_parallel``). With ``parallel: none`` the launch has exactly
+    ``tp`` processes; with ``parallel: fsdp`` the world forms a 2-D mesh
+    ``(world / tp, tp)``, FSDP2 sharding over the first dimension."""
     fsdp_init: FsdpInit = "rank0"
     """FSDP2 initial weights: ``rank0`` builds the full model once on rank 0's CPU and
     broadcasts it, giving exactly the weights of a single-process run with the same seed;
@@ -316,6 +321,7 @@ class TrainConfig:
             raise ConfigError("dtype", "bf16 autocast runs on CUDA only; use fp32 (or auto) on CPU")
         if self.parallel != "fsdp" and self.fsdp_init != "rank0":
             raise ConfigError("fsdp_init", "only applies to parallel: fsdp")
+        self._validate_tp()
         if self.init_from is not None and not self.init_from.strip():
             raise ConfigError("init_from", "must be a model directory or null, got ''")
         model = self.model_config()
@@ -326,6 +332,19 @@ class TrainConfig:
                 "(raise model.max_seq_len)",
             )
         self.data_config()
+
+    def _validate_tp(self) -> None:
+        from diffattn.train.tensor_parallel import tp_problem
+
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ConfigError("tp", f"must be an integer >= 1, got {self.tp!r}")
+        if self.tp > 1 and self.parallel == "ddp":
+            raise ConfigError(
+                "tp", "combines with parallel: none or fsdp (a 2-D mesh), not with ddp"
+            )
+        problem = tp_problem(self.model_config(), self.tp)
+        if problem is not None:
+            raise ConfigError("tp", problem)
 
     def _validate_optim(self) -> None:
         o = self.optim
@@ -459,13 +478,22 @@ def check_runtime(config: TrainConfig, env: Any, cuda_available: bool | None = N
             f"{config.parallel!r} needs a distributed launch (torchrun sets RANK, WORLD_SIZE, "
             "MASTER_ADDR); run under torchrun or set parallel: none",
         )
-    if config.parallel == "none" and env.world_size > 1:
+    if config.tp > 1 and not env.launched:
+        raise ConfigError(
+            "tp", f"{config.tp} needs a distributed launch of tp processes or a multiple (torchrun)"
+        )
+    if env.world_size % config.tp:
+        raise ConfigError(
+            "tp", f"{config.tp} does not divide the {env.world_size} processes of the launch"
+        )
+    if config.parallel == "none" and env.world_size > config.tp:
         raise ConfigError(
             "parallel",
-            f"launched with {env.world_size} processes but parallel is 'none'; "
-            "set parallel: ddp or fsdp",
+            f"launched with {env.world_size} processes but parallel is 'none'"
+            + (f" and tp is {config.tp}" if config.tp > 1 else "")
+            + "; set parallel: ddp or fsdp",
         )
-    world = env.world_size
+    world = env.world_size // config.tp  # data-parallel ranks: a tensor-parallel group is one
     micro = config.micro_batch_size
     if config.global_batch_size % world:
         raise ConfigError(

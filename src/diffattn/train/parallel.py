@@ -79,12 +79,15 @@ def apply_compile(model: nn.Module) -> None:
         block.compile()
 
 
-def parallelize(model: nn.Module, mode: str, device: torch.device | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module, mode: str, device: torch.device | None = None, mesh=None
+) -> nn.Module:
     """Wrap ``model`` for data parallelism: ``none``, ``ddp`` or ``fsdp`` (FSDP2).
 
     ``ddp`` expects the model on ``device``; ``fsdp`` shards each block of
     :func:`decoder_blocks` and then the root (the model may still be on the meta device; see
-    :func:`build_model`).
+    :func:`build_model`) over ``mesh`` (default: every rank; the ``dp_shard`` dimension of a
+    2-D mesh when the model is also tensor-parallel).
     """
     if mode == "none":
         return model
@@ -98,7 +101,8 @@ def parallelize(model: nn.Module, mode: str, device: torch.device | None = None)
         from torch.distributed.fsdp import fully_shard
 
         device_type = device.type if device is not None else "cpu"
-        mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+        if mesh is None:
+            mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
         for block in decoder_blocks(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -117,12 +121,20 @@ def build_model(
     compile: bool = False,
     initial_state: dict[str, torch.Tensor] | None = None,
     load_initial_state: bool = False,
+    tp: int = 1,
 ) -> nn.Module:
     """The model of a run, initialised and parallelised (see the module docstring).
 
     With ``load_initial_state`` (the same on every rank), the full state dict
     ``initial_state`` held by rank 0 replaces the seeded initialisation, e.g. when resuming.
+    ``tp > 1`` first splits the model over groups of ``tp`` ranks
+    (:mod:`diffattn.train.tensor_parallel`), then FSDP2 shards it over the groups.
     """
+    dp_mesh = None
+    if tp > 1:
+        from diffattn.train.tensor_parallel import device_meshes
+
+        dp_mesh, tp_mesh = device_meshes(device.type, torch.distributed.get_world_size(), tp)
     if mode == "fsdp":
         with torch.device("meta"):
             model = DiffTransformerLM(config)
@@ -132,11 +144,17 @@ def build_model(
         if load_initial_state and initial_state is not None:
             model.load_state_dict(initial_state, strict=True)  # DDP broadcasts rank 0's
         model.to(device)
+    if tp > 1:
+        from diffattn.train.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, tp_mesh)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
-    wrapped = parallelize(model, mode, device)
+    wrapped = parallelize(model, mode, device, dp_mesh)
+    if tp > 1 and mode != "fsdp" and load_initial_state:
+        load_full_model_state(wrapped, initial_state)  # into the shards, from rank 0
     if mode == "fsdp":
         model.to_empty(device=device)
         torch.manual_seed(seed)

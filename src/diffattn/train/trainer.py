@@ -112,6 +112,7 @@ RESUME_FREE_KEYS = frozenset(
         "compile",
         "activation_checkpointing",
         "parallel",
+        "tp",
         "fsdp_init",
         "micro_batch_size",
         "spike_factor",
@@ -517,10 +518,14 @@ class Trainer:
         except ValueError as error:
             raise ConfigError("environment", str(error)) from None
         check_runtime(config, env)
+        if config.tp > 1 and self.model_factory is not None:
+            raise ConfigError("tp", "applies to preset models, not to a model_factory")
         self.model_config = config.model_config() if self.model_factory is None else None
         self._data_config = config.data_config() if self.data is None else None
         self.env = env
         self.world = env.world_size
+        # data-parallel ranks: the ranks of one tensor-parallel group read the same rows
+        self.dp_world, self.dp_rank = env.world_size // config.tp, env.rank // config.tp
         self.main = env.is_main
         self.device = distributed.resolve_device(config.device, env)
         distributed.init_process_group(env, self.device)
@@ -601,6 +606,7 @@ class Trainer:
             compile=config.compile,
             initial_state=initial_state,
             load_initial_state=found is not None,
+            tp=config.tp,
         )
 
     def _build_factory_model(self) -> nn.Module:
@@ -634,7 +640,7 @@ class Trainer:
         from diffattn.data import BatchLoader
 
         config = self.config
-        self.local_batch = config.global_batch_size // self.world
+        self.local_batch = config.global_batch_size // self.dp_world
         self.micro = config.micro_batch_size or self.local_batch
         self.accumulation = self.local_batch // self.micro
         self.loader = BatchLoader(
@@ -642,8 +648,8 @@ class Trainer:
             batch_size=config.global_batch_size,
             seq_len=config.seq_len,
             seed=config.seed,
-            rank=self.env.rank,
-            world_size=self.world,
+            rank=self.dp_rank,
+            world_size=self.dp_world,
         )
         loader = self.loader
         self.batches = loader if hasattr(loader, "__next__") else iter(loader)
@@ -682,8 +688,8 @@ class Trainer:
                     config.eval_batch_size or config.global_batch_size,
                     config.seq_len,
                     config.eval_batches,
-                    rank=self.env.rank,
-                    world_size=self.world,
+                    rank=self.dp_rank,
+                    world_size=self.dp_world,
                     drop_last=True,
                 )
             )
@@ -726,7 +732,8 @@ class Trainer:
             what += f" · {self.num_trainable:,} trainable of"
         self._say(
             f"diffattn train: {what} {self.num_parameters:,} parameters · "
-            f"{config.parallel} on {self.world} × {self.device.type} · global batch "
+            f"{config.parallel} on {self.world} × {self.device.type}"
+            f"{f' (tp {config.tp})' if config.tp > 1 else ''} · global batch "
             f"{config.global_batch_size} × {config.seq_len} tokens · micro {self.micro} × "
             f"{self.accumulation} accumulation"
         )
