@@ -178,3 +178,19 @@ def test_entry_point_runs_the_harness_on_our_models(harness_setup, tmp_path, mon
         (written,) = list(out.rglob("results_*.json"))
         results = json.loads(written.read_text())["results"]["local_arc"]
         assert 0.0 <= results["acc,none"] <= 1.0, name
+
+
+@pytest.mark.parametrize(
+    ("argument", "message"),
+    [
+        ({"batch_sise": 4}, r"unknown argument\(s\) batch_sise$"),
+        ({"peft": "adapter"}, r"peft only apply when the harness loads a model by name"),
+        ({"revision": "main", "gguf_file": "x.gguf"}, r"gguf_file, revision only apply"),
+        ({"backend": "seq2seq"}, r"backend='seq2seq'"),
+    ],
+)
+def test_harness_model_refuses_arguments_it_would_ignore(argument, message):
+    from diffattn.eval import harness
+
+    with pytest.raises(TypeError, match=message):
+        harness.DiffattnLM(pretrained="never-loaded", **argument)

@@ -172,3 +172,11 @@ def test_next_token_loss_equals_the_sliced_form_with_gradients(batch, length):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     grad, ref = (torch.autograd.grad(x, logits)[0] for x in (got, want))
     torch.testing.assert_close(grad, ref, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("misspelt", ["past_key_value", "attention_masks", "cache", "label"])
+def test_forward_refuses_an_argument_it_does_not_take(misspelt):
+    model = DiffTransformerLM(ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2))
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(TypeError, match=misspelt):
+        model(ids, **{misspelt: None})

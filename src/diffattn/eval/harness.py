@@ -15,11 +15,16 @@ loaded by :func:`diffattn.eval.common.load_models`, so ``--model_args`` take wha
   (default: the model's context length), and the harness's other ``HFLM`` arguments
   (``batch_size``, ``add_bos_token``, ...).
 
+Any other argument is refused with its name: an argument ``HFLM`` does not know, and those
+that only steer how ``HFLM`` loads a model by name (``revision``, ``peft``, ``parallelize``,
+...), which it would ignore for a model loaded here.
+
 Needs ``pip install 'diffattn[lm-eval]'``.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -32,6 +37,36 @@ from diffattn.eval.text import context_limit
 
 MODEL_NAME = "diffattn"
 HARNESS_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "fp32"}
+# HFLM arguments that only act while it loads a model by name: given a loaded model it drops
+# them, so here they would be ignored silently.
+LOADING_ONLY = frozenset(
+    {
+        "revision", "subfolder", "trust_remote_code", "use_fast_tokenizer", "parallelize",
+        "max_memory_per_gpu", "max_cpu_memory", "offload_folder", "tp_plan", "peft", "delta",
+        "autogptq", "gptqmodel", "gguf_file",
+    }
+)  # fmt: skip
+
+
+def check_harness_arguments(kwargs: dict[str, Any]) -> None:
+    """Refuse, by name, every argument ``HFLM`` would not use for a model loaded here."""
+    explicit = {
+        name
+        for name, parameter in inspect.signature(HFLM.__init__).parameters.items()
+        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+    }
+    unknown = sorted(set(kwargs) - explicit)
+    if unknown:
+        raise TypeError(f"diffattn harness model: unknown argument(s) {', '.join(unknown)}")
+    ignored = sorted(set(kwargs) & LOADING_ONLY)
+    if ignored:
+        raise TypeError(
+            f"diffattn harness model: {', '.join(ignored)} only apply when the harness loads "
+            "a model by name; diffattn loads it (pretrained=, dex=, dtype=, device=)"
+        )
+    backend = kwargs.pop("backend", "causal")
+    if backend not in ("causal", "default"):
+        raise TypeError(f"diffattn harness model: backend={backend!r}; its models are causal")
 
 
 class CausalLMView(nn.Module):
@@ -69,7 +104,7 @@ class DiffattnLM(HFLM):
     ) -> None:
         if not isinstance(pretrained, str):
             raise ValueError("pretrained= must name a model (a path, smollm2 or a hub id)")
-        kwargs.pop("backend", None)
+        check_harness_arguments(kwargs)
         dtype = HARNESS_DTYPES.get(str(dtype), str(dtype))
         loaded = load_models([pretrained], dex=dex, device=device or "auto", dtype=dtype)[0]
         if loaded.tokenizer is None or not hasattr(
