@@ -111,7 +111,7 @@ def test_hf_config_names_map_or_are_refused():
     assert (model.n_heads, config.num_attention_heads) == (4, 2)
     assert (model.d_model, model.n_layers, model.n_kv_heads) == (32, 3, 2)
     assert (model.ffn_dim, model.max_seq_len, model.rope_theta) == (48, 64, 500.0)
-    assert (model.head_dim, model.vocab_size, model.norm_eps, model.init_std) == (
+    assert (model.dim_per_head, model.vocab_size, model.norm_eps, model.init_std) == (
         8,
         99,
         1e-6,
