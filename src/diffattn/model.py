@@ -327,7 +327,9 @@ class DiffTransformerLM(nn.Module):
         maps = [] if output_attentions else None
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.layers:
-            if checkpointing:
+            # A block that checkpoints itself (the Hugging Face wrapper's blocks) is not
+            # wrapped a second time.
+            if checkpointing and not getattr(block, "gradient_checkpointing", False):
                 run = self._gradient_checkpointing_func or _checkpoint
                 x, layer_maps = run(block, x, rope, mask, output_attentions, cache)
             else:

@@ -12,10 +12,13 @@ The supported range is stated in ``pyproject.toml`` and tested at both ends
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import warnings
 from typing import Any
 
 import torch
+from transformers import GenerationConfig, PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 CACHE_FIELD = (
@@ -109,10 +112,67 @@ def check_mask_arguments(arguments: dict[str, Any]) -> None:
         raise ValueError(f"diffattn models do not support {', '.join(given)} in generate")
 
 
+# Keys HF's PretrainedConfig takes (and pops) without storing them under the same name, in some
+# supported release; the stored ones are read from the release itself (generic_config_keys).
+_CONFIG_KEYS_POPPED = frozenset(
+    {
+        "name_or_path",
+        "_commit_hash",
+        "attn_implementation",
+        "experts_implementation",
+        "output_attentions",
+        "per_layer_config",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "return_unused_kwargs",
+        "use_cache",
+        # token ids and task settings every HF model accepts (base fields in older releases,
+        # free attributes in newer ones)
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "tie_word_embeddings",
+        "is_decoder",
+        "add_cross_attention",
+        "tokenizer_class",
+        "prefix",
+        "task_specific_params",
+        "finetuning_task",
+        "pruned_heads",
+        "torchscript",
+        "tie_encoder_decoder",
+        "cross_attention_hidden_size",
+    }
+)
+
+
+@functools.cache
+def generic_config_keys() -> frozenset[str]:
+    """The constructor arguments HF's ``PretrainedConfig`` itself understands in this release
+    (token ids, ``return_dict``, ``architectures``, generation defaults it pops, ...): what a
+    model config may pass on to it. Read from the release, so a rename stays visible."""
+    keys = set(_CONFIG_KEYS_POPPED)
+    if dataclasses.is_dataclass(PretrainedConfig):  # 5.24: a dataclass
+        keys.update(f.name for f in dataclasses.fields(PretrainedConfig))
+    keys.update(
+        name
+        for name, p in inspect.signature(PretrainedConfig.__init__).parameters.items()
+        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"
+    )
+    keys.update(PretrainedConfig().to_dict())
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    keys.update(defaults() if defaults is not None else GenerationConfig().to_dict())
+    return frozenset(keys)
+
+
 __all__ = [
     "CACHE_FIELD",
     "MASK_ARGUMENTS_IGNORED",
     "check_cache_position",
     "check_mask_arguments",
+    "generic_config_keys",
     "resolve_cache_argument",
 ]

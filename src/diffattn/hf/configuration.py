@@ -6,6 +6,14 @@ standard HF attribute names onto them (``hidden_size`` -> ``d_model``, ``num_hid
 ``n_layers``, ...), so HF utilities that read those names work. ``config.json`` always holds
 every field, not only those that differ from the defaults, so a saved model keeps its meaning
 if a default changes later.
+
+Constructor arguments are never silently dropped: a diffattn field, an HF name of one (table
+:data:`HF_NAMES`; both names at once must agree), an HF setting that diffattn models have
+fixed (:data:`FIXED_SETTINGS`, accepted only with the fixed value) or one of the generic
+settings of HF's ``PretrainedConfig`` (token ids, ``return_dict``, ``dtype``, ...). Anything
+else is a ``ValueError`` naming it. An attribute set on a built config (HF's tools set free
+attributes on any config) is saved, and ``config.json`` lists such names under
+``diffattn_extra_attributes``, so the file reads back as written; they do not change the model.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from transformers import PretrainedConfig
 
 from diffattn.checkpoint import MODEL_TYPE
 from diffattn.config import RUNTIME_FIELDS, ModelConfig
+from diffattn.hf.compat import generic_config_keys
 
 # The architecture; the backend is chosen with HF's attn_implementation instead.
 _FIELDS = tuple(
@@ -24,6 +33,63 @@ _FIELDS = tuple(
     for f in dataclasses.fields(ModelConfig)
     if f.name != "extra" and f.name not in RUNTIME_FIELDS
 )
+
+HF_NAMES = {
+    "hidden_size": "d_model",
+    "num_hidden_layers": "n_layers",
+    "max_position_embeddings": "max_seq_len",
+    "intermediate_size": "ffn_hidden",
+    "rms_norm_eps": "norm_eps",
+    "initializer_range": "init_std",
+    "tie_word_embeddings": "tie_embeddings",
+    "num_key_value_heads": "n_kv_heads",
+}
+"""HF's standard names of diffattn fields; ``num_attention_heads`` is handled apart (for DIFF
+V1 it counts differential heads, ``n_heads / 2``; see ``DiffAttnConfig.num_attention_heads``)."""
+
+FIXED_SETTINGS: dict[str, Any] = {
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "attention_dropout": 0.0,
+    "pretraining_tp": 1,
+}
+"""HF settings that diffattn models do not make configurable: accepted with this value only."""
+
+EXTRA_ATTRIBUTES_KEY = "diffattn_extra_attributes"
+
+
+def _translate(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The diffattn fields given in ``kwargs`` under either name (popped from ``kwargs``)."""
+    fields = {name: kwargs.pop(name) for name in _FIELDS if name in kwargs}
+    for hf_name, field in HF_NAMES.items():
+        if hf_name not in kwargs:
+            continue
+        value = kwargs.pop(hf_name)
+        if field in fields and fields[field] != value:
+            raise ValueError(
+                f"DiffAttnConfig: {hf_name}={value!r} contradicts {field}={fields[field]!r} "
+                "(the same setting under its HF name); give one"
+            )
+        fields[field] = bool(value) if field == "tie_embeddings" else value
+    if "num_attention_heads" in kwargs:
+        value = kwargs.pop("num_attention_heads")
+        factor = 2 if fields.get("attention", "baseline") == "diff_v1" else 1
+        n_heads = int(value) * factor
+        if "n_heads" in fields and fields["n_heads"] != n_heads:
+            raise ValueError(
+                f"DiffAttnConfig: num_attention_heads={value!r} means n_heads={n_heads} for "
+                f"attention={fields.get('attention', 'baseline')!r}, but n_heads="
+                f"{fields['n_heads']!r} was given; give one"
+            )
+        fields["n_heads"] = n_heads
+    for name, fixed in FIXED_SETTINGS.items():
+        if name in kwargs and kwargs.pop(name) != fixed:
+            raise ValueError(
+                f"DiffAttnConfig: {name} is fixed to {fixed!r} in diffattn models; it cannot be "
+                "changed"
+            )
+    return fields
 
 
 class DiffAttnConfig(PretrainedConfig):
@@ -35,25 +101,30 @@ class DiffAttnConfig(PretrainedConfig):
         "hidden_size": "d_model",
         "num_hidden_layers": "n_layers",
         "max_position_embeddings": "max_seq_len",
-        "intermediate_size": "ffn_dim",
         "rms_norm_eps": "norm_eps",
         "initializer_range": "init_std",
     }
 
     def __init__(self, **kwargs: Any) -> None:
-        fields = {name: kwargs.pop(name) for name in _FIELDS if name in kwargs}
-        if "tie_word_embeddings" in kwargs and "tie_embeddings" not in fields:
-            fields["tie_embeddings"] = bool(kwargs["tie_word_embeddings"])
+        fields = _translate(kwargs)
         kwargs.pop("diffattn_version", None)
         for name in RUNTIME_FIELDS:  # written by earlier versions; a run-time choice now
             kwargs.pop(name, None)
+        saved_extras = set(kwargs.pop(EXTRA_ATTRIBUTES_KEY, ()))
+        unknown = sorted(set(kwargs) - generic_config_keys() - saved_extras)
+        if unknown:
+            raise ValueError(
+                f"DiffAttnConfig: unknown argument(s) {', '.join(map(repr, unknown))}; the "
+                "diffattn fields are those of diffattn.config.ModelConfig (or their HF names: "
+                + ", ".join(sorted([*HF_NAMES, "num_attention_heads"]))
+                + ")"
+            )
         model_config = ModelConfig.from_dict(fields)  # validates; names bad keys and values
         for name in _FIELDS:
             setattr(self, name, getattr(model_config, name))
         if self.head_dim is None:  # HF reads head_dim; state it, it is the same model
             self.head_dim = model_config.dim_per_head
         kwargs["tie_word_embeddings"] = model_config.tie_embeddings
-        kwargs.pop("num_attention_heads", None)  # derived, see the property
         self.use_cache = kwargs.pop("use_cache", True)
         super().__init__(**kwargs)
 
@@ -71,7 +142,21 @@ class DiffAttnConfig(PretrainedConfig):
 
     @property
     def num_key_value_heads(self) -> int:
+        """Key heads of width ``head_dim`` in the cache (``n_kv_heads``, or ``n_heads``)."""
         return self.to_model_config().num_kv_heads
+
+    @num_key_value_heads.setter
+    def num_key_value_heads(self, value: int) -> None:
+        self.n_kv_heads = int(value)
+
+    @property
+    def intermediate_size(self) -> int:
+        """The SwiGLU hidden size (``ffn_hidden``, or its default from ``d_model``)."""
+        return self.to_model_config().ffn_dim
+
+    @intermediate_size.setter
+    def intermediate_size(self, value: int) -> None:
+        self.ffn_hidden = int(value)
 
     @property
     def ffn_dim(self) -> int:
@@ -97,8 +182,20 @@ class DiffAttnConfig(PretrainedConfig):
         data["diffattn_version"] = __version__
         return data
 
+    def to_dict(self) -> dict[str, Any]:
+        """HF's dict, plus the names of free attributes set on this config (module docstring)."""
+        data = super().to_dict()
+        data.pop(EXTRA_ATTRIBUTES_KEY, None)
+        known = {*_FIELDS, *HF_NAMES, "num_attention_heads", "diffattn_version"}
+        extras = sorted(
+            k for k in data if not k.startswith("_") and k not in known | generic_config_keys()
+        )
+        if extras:
+            data[EXTRA_ATTRIBUTES_KEY] = extras
+        return data
+
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("ffn_dim", "num_key_value_heads"):
+        if name == "ffn_dim":
             raise AttributeError(f"DiffAttnConfig.{name} is derived; set the ModelConfig fields")
         super().__setattr__(name, value)
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from diffattn.attention.common import AttentionMaps
@@ -45,7 +46,7 @@ from diffattn.hf.compat import (
 )
 from diffattn.hf.configuration import DiffAttnConfig
 from diffattn.hf.tp_plan import TP_PLAN
-from diffattn.model import DiffTransformerLM, next_token_loss
+from diffattn.model import DecoderBlock, DiffTransformerLM, next_token_loss
 
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 
@@ -128,6 +129,23 @@ class HFCacheAdapter:
         """HF caches track their own length."""
 
 
+class CheckpointedDecoderBlock(GradientCheckpointingLayer, DecoderBlock):
+    """:class:`~diffattn.model.DecoderBlock` as HF's ``GradientCheckpointingLayer``: the same
+    module, parameters and forward; HF's ``gradient_checkpointing_enable`` checkpoints it."""
+
+
+def use_hf_blocks(model: DiffTransformerLM) -> DiffTransformerLM:
+    """Make ``model``'s decoder blocks :class:`CheckpointedDecoderBlock` in place (a class
+    change only: parameters, buffers and outputs stay as they are). The core model does not
+    import transformers; the HF wrapper applies this to the model it holds."""
+    for block in model.layers:
+        if type(block) is DecoderBlock:
+            block.__class__ = CheckpointedDecoderBlock
+        elif not isinstance(block, CheckpointedDecoderBlock):
+            raise TypeError(f"unexpected decoder block type {type(block).__name__}")
+    return model
+
+
 class DiffAttnPreTrainedModel(PreTrainedModel):
     """Shared HF plumbing: config class, weight init, module names."""
 
@@ -137,7 +155,7 @@ class DiffAttnPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _supports_sdpa = True
     _supports_flash_attn = True
-    _no_split_modules = ["DecoderBlock"]  # noqa: RUF012
+    _no_split_modules = ["CheckpointedDecoderBlock", "DecoderBlock"]  # noqa: RUF012
     _skip_keys_device_placement = ["cache", "past_key_values"]  # noqa: RUF012
 
     @torch.no_grad()
@@ -154,7 +172,7 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: DiffAttnConfig) -> None:
         super().__init__(config)
-        self.model = DiffTransformerLM(config.to_model_config())
+        self.model = use_hf_blocks(DiffTransformerLM(config.to_model_config()))
         self._backend_source: str | None = None
         self._sync_backend()
         self.post_init()
@@ -167,19 +185,27 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             self._backend_source = implementation
 
     def set_attn_implementation(self, attn_implementation, *args: Any, **kwargs: Any) -> None:
-        """Switch the attention backend (``"eager"``, ``"sdpa"``, ``"flash_attention_2"``)."""
-        if isinstance(attn_implementation, str):
-            backend_for_implementation(attn_implementation)  # refuse unknown names first
+        """Switch the attention backend (``"eager"``, ``"sdpa"``, ``"flash_attention_2"``).
+
+        HF checks the name first (its own error for a name it does not know); a name HF knows
+        but diffattn has no backend for is then refused and the previous choice kept."""
+        previous = self.config._attn_implementation
         super().set_attn_implementation(attn_implementation, *args, **kwargs)
-        self._sync_backend(force=True)
+        try:
+            self._sync_backend(force=True)
+        except ValueError:
+            super().set_attn_implementation(previous)
+            self._sync_backend(force=True)
+            raise
 
     @classmethod
     def from_diffattn(cls, model: DiffTransformerLM, **hf_kwargs: Any) -> DiffAttnForCausalLM:
-        """Wrap an existing :class:`DiffTransformerLM` (weights shared, not copied)."""
+        """Wrap an existing :class:`DiffTransformerLM` (weights shared, not copied; its blocks
+        become :class:`CheckpointedDecoderBlock`, which computes the same)."""
         config = DiffAttnConfig.from_model_config(model.config, **hf_kwargs)
         with torch.device("meta"):
             wrapper = cls(config)
-        wrapper.model = model
+        wrapper.model = use_hf_blocks(model)
         wrapper._backend_source = wrapper.config._attn_implementation  # keep model.backend
         return wrapper
 
@@ -310,6 +336,7 @@ _register()
 
 
 __all__ = [
+    "CheckpointedDecoderBlock",
     "DiffAttnCausalLMOutput",
     "DiffAttnForCausalLM",
     "DiffAttnPreTrainedModel",

@@ -1,0 +1,181 @@
+"""HF generate against the model's own decoding, padding on every backend, and the HF-facing
+behaviours that HF's generic model tests check (config names, checkpointing layers, errors),
+on whatever transformers release is installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffattn.attention.registry import backend_names, get_backend
+from diffattn.generation import generate
+from diffattn.hf import DiffAttnConfig, DiffAttnForCausalLM
+from helpers import ATTENTIONS, TINY_VOCAB, tiny_config
+
+
+def _hf(attention: str, seed: int = 3, **changes) -> DiffAttnForCausalLM:
+    torch.manual_seed(seed)
+    config = DiffAttnConfig.from_model_config(tiny_config(attention, **changes))
+    return DiffAttnForCausalLM(config).eval()
+
+
+def _left_padded(batch: int = 3, n: int = 7, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, TINY_VOCAB, (batch, n), generator=g)
+    mask = torch.ones_like(ids)
+    for row in range(1, batch):
+        mask[row, : 2 * row] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_hf_generate_equals_own_greedy_decoding_with_left_padding(attention, cache_implementation):
+    model = _hf(attention)
+    ids, mask = _left_padded()
+    ours = generate(model.model, ids, attention_mask=mask, max_new_tokens=9, do_sample=False)
+    theirs = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=9,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation=cache_implementation,
+    )
+    assert torch.equal(theirs[:, ids.shape[1] :], ours.sequences[:, ids.shape[1] :])
+    # and each padded row generates what it generates alone, unpadded
+    for row in range(ids.shape[0]):
+        alone = ids[row : row + 1, mask[row].bool()]
+        single = model.generate(
+            input_ids=alone,
+            max_new_tokens=9,
+            do_sample=False,
+            pad_token_id=0,
+            cache_implementation=cache_implementation,
+        )
+        assert torch.equal(single[0, alone.shape[1] :], theirs[row, ids.shape[1] :])
+
+
+def _cpu_backends() -> list[str]:
+    q = torch.zeros(1, 4, 3, 16)
+    names = []
+    for name in backend_names():
+        if name == "auto":
+            continue
+        if get_backend(name).why_unusable(q) is None:
+            names.append(name)
+    return names
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_padding_positions_are_backend_independent_right_padding_and_holes(attention):
+    """Every position, padding included, gives the same logits on every backend: padding queries
+    read only themselves (right padding, left padding and holes in the middle)."""
+    model = _hf(attention, seed=11)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, TINY_VOCAB, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0  # right padding
+    mask[1, :2] = 0  # left padding
+    mask[2, 3:5] = 0  # a hole
+    outputs = {}
+    with torch.no_grad():
+        for implementation in ("eager", "sdpa"):
+            model.set_attn_implementation(implementation)
+            outputs[implementation] = model(input_ids=ids, attention_mask=mask).logits
+        for name in _cpu_backends():
+            model.model.set_backend(name)
+            outputs[name] = model.model(ids, attention_mask=mask).logits
+    reference = outputs["reference"]
+    assert {"eager", "sdpa", "reference"} <= set(outputs)
+    for name, logits in outputs.items():
+        torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_hf_config_names_map_or_are_refused():
+    config = DiffAttnConfig(
+        attention="diff_v1",
+        num_attention_heads=2,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        rope_theta=500.0,
+        head_dim=8,
+        vocab_size=99,
+        rms_norm_eps=1e-6,
+        initializer_range=0.01,
+    )
+    model = config.to_model_config()
+    assert (model.n_heads, config.num_attention_heads) == (4, 2)
+    assert (model.d_model, model.n_layers, model.n_kv_heads) == (32, 3, 2)
+    assert (model.ffn_dim, model.max_seq_len, model.rope_theta) == (48, 64, 500.0)
+    assert (model.dim_per_head, model.vocab_size, model.norm_eps, model.init_std) == (
+        8,
+        99,
+        1e-6,
+        0.01,
+    )
+    assert DiffAttnConfig(num_attention_heads=2, d_model=32).n_heads == 2
+    with pytest.raises(ValueError, match="'bogus'"):
+        DiffAttnConfig(bogus=1)
+    with pytest.raises(ValueError, match="hidden_act"):
+        DiffAttnConfig(hidden_act="gelu")
+    with pytest.raises(ValueError, match="contradicts"):
+        DiffAttnConfig(hidden_size=64, d_model=32)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        DiffAttnConfig(attention="diff_v1", num_attention_heads=2, n_heads=8)
+    config.num_key_value_heads = 1
+    config.intermediate_size = 40
+    assert (config.n_kv_heads, config.ffn_hidden) == (1, 40)
+
+
+def test_attributes_set_on_a_config_survive_save_and_load(tmp_path):
+    config = DiffAttnConfig(d_model=32, n_heads=4)
+    config.layer_norm_eps = 1.0  # a free attribute, as HF's tools set on any config
+    config.save_pretrained(tmp_path)
+    again = DiffAttnConfig.from_pretrained(tmp_path)
+    assert again.layer_norm_eps == 1.0 and again.to_model_config() == config.to_model_config()
+
+
+def test_blocks_are_hf_gradient_checkpointing_layers_and_checkpoint_once():
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model = _hf("diff_v1")
+    assert all(isinstance(b, GradientCheckpointingLayer) for b in model.model.layers)
+    ids = torch.randint(0, TINY_VOCAB, (2, 7))
+    model.train()
+    model.model.init_weights()
+    expected = torch.autograd.grad(model(input_ids=ids, labels=ids).loss, model.parameters())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    calls = []
+    func = model.model.layers[0]._gradient_checkpointing_func
+    model.model.layers[0]._gradient_checkpointing_func = lambda *a, **k: (
+        calls.append(1),
+        func(*a, **k),
+    )[1]
+    model.model._gradient_checkpointing_func = lambda *a, **k: pytest.fail("checkpointed twice")
+    got = torch.autograd.grad(model(input_ids=ids, labels=ids).loss, model.parameters())
+    assert calls == [1]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_attn_implementation_gives_hfs_own_error():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaConfig(
+        hidden_size=32,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        intermediate_size=37,
+        vocab_size=99,
+    )
+    with pytest.raises(ValueError) as theirs:
+        LlamaForCausalLM(llama).set_attn_implementation("foo")
+    model = _hf("baseline")
+    with pytest.raises(ValueError) as ours:
+        model.set_attn_implementation("foo")
+    assert str(ours.value).split(". The only")[0] == str(theirs.value).split(". The only")[0]
+    assert model.config._attn_implementation != "foo"
