@@ -148,12 +148,13 @@ def exit_process(code: int) -> NoReturn:
     with "terminate called without an active exception" (SIGABRT), after a run that
     succeeded. On a loaded machine the thread can lag the main thread long enough for this.
 
-    So when :func:`shutdown` left a group alive, this flushes the standard streams and the
-    ``logging`` handlers and leaves with ``os._exit(code)``: nothing of the interpreter is
-    torn down while those threads run (files the run wrote are closed before this). Otherwise
-    it raises ``SystemExit(code)`` as ``sys.exit`` does.
+    So while a process group lives (never destroyed, or left alive by :func:`shutdown`), this
+    flushes the standard streams and the ``logging`` handlers and leaves with
+    ``os._exit(code)``: nothing of the interpreter is torn down while those threads run (the
+    files the run wrote are closed before this). Otherwise it raises ``SystemExit(code)`` as
+    ``sys.exit`` does.
     """
-    if not _lingering:
+    if not (_lingering or (dist.is_available() and dist.is_initialized())):
         raise SystemExit(code)
     import logging
 
