@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 from diffattn.checkpoint import load_model
-from diffattn.train import TrainConfig, train
+from diffattn.train import TrainConfig, distributed, train
 from diffattn.train.parallel import parallelize
 from train_helpers import (
+    free_port,
+    subprocess_env,
     tiny_recipe,
     torchrun,
     write_recipe,
@@ -69,6 +75,7 @@ def test_fsdp2_two_processes_equal_one_process_and_checkpoint_loads_alone(tmp_pa
     out = tmp_path / "fsdp"
     result = torchrun([str(path), "--out", str(out), "--steps", "4", "--quiet"])
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "terminate called" not in result.stderr, result.stderr[-3000:]
     _compare(_records(reference)[:4], _records(out))
 
     # the FSDP2 checkpoint is a full model directory equal to the single-process one (Adam
@@ -88,6 +95,111 @@ def test_fsdp2_two_processes_equal_one_process_and_checkpoint_loads_alone(tmp_pa
     assert sorted(resumed.losses) == [5, 6]
     for step in (5, 6):
         assert abs(resumed.losses[step] - single.losses[step]) <= TOLERANCE
+
+
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
+
+
+def _thread_names() -> list[str]:
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm", encoding="utf-8") as comm:
+                names.append(comm.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names come from /proc")
+def test_shutdown_frees_the_group_and_joins_its_threads(monkeypatch):
+    """A group nothing else holds is freed by shutdown(): gloo's worker threads are gone."""
+    variables = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    variables.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    env = distributed.read_env()
+    assert distributed.init_process_group(env, torch.device("cpu"))
+    try:
+        total = distributed.all_reduce_sum(torch.ones(3))  # a world of 1: a no-op
+        torch.distributed.all_reduce(total)  # the group's own worker threads run this one
+        assert set(GLOO_THREADS) <= set(_thread_names())
+    finally:
+        freed = distributed.shutdown()
+    assert freed
+    assert not torch.distributed.is_initialized()
+    assert not set(GLOO_THREADS) & set(_thread_names())
+    assert distributed.shutdown()  # nothing left to leave
+
+
+# A gloo worker thread of rank 0 runs a completion callback that needs the GIL again once the
+# interpreter finalizes (the gate opens in a finalizer that then sleeps, releasing the GIL).
+_EXIT_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, time
+    import torch
+    from diffattn.train import distributed
+
+    env = distributed.read_env()
+    distributed.init_process_group(env, torch.device("cpu"))
+    started, gate = threading.Event(), threading.Event()
+    if env.rank == 1:
+        time.sleep(0.5)  # rank 0 registers its callback before the collective can complete
+    work = torch.distributed.all_reduce(torch.ones(4), async_op=True)
+    if env.rank == 0:
+        work.get_future().then(lambda future: (started.set(), gate.wait()))
+        started.wait()  # the collective is done; the worker thread waits in the callback
+    else:
+        work.wait()
+
+
+    class Finalizing:
+        def __del__(self, _open=gate.set, _sleep=time.sleep):
+            _open()
+            _sleep(1.0)
+
+
+    finalizing = Finalizing()  # the group stays: destroying it would wait for the callback
+    if sys.argv[1] == "exit_process":
+        distributed.exit_process(0)
+    sys.exit(0)
+    """
+)
+
+
+def _run_exit_script(tmp_path, how: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "leave.py"
+    script.write_text(_EXIT_SCRIPT, encoding="utf-8")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(script),
+        how,
+    ]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env=subprocess_env()
+    )
+
+
+def test_exit_process_does_not_race_a_communication_thread(tmp_path):
+    """The torchrun entry point's exit: no SIGABRT while a gloo worker still runs Python."""
+    result = _run_exit_script(tmp_path, "exit_process")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "terminate called" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_sys_exit_aborts_while_a_communication_thread_runs_python(tmp_path):
+    """The hazard exit_process avoids, as torch 2.13 and CPython 3.11 have it: a gloo worker
+    thread that takes the GIL while the interpreter finalizes is ended by Python and the
+    process aborts. When that no longer happens, exit_process can become sys.exit."""
+    result = _run_exit_script(tmp_path, "sys.exit")
+    assert result.returncode != 0
+    assert "SIGABRT" in result.stderr, result.stderr[-3000:]
 
 
 def test_parallelize_rejects_an_unknown_mode():

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-
 from diffattn.train.cli import main
+from diffattn.train.distributed import exit_process
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # not sys.exit: see exit_process

@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"device={args.device}")
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
     resume = args.resume or args.resume_fallback or (args.auto_resume and _has_checkpoint(out))
+    finished = False
     try:
         config = load_config(args.config, overrides)
         result = train(
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             resume_fallback=args.resume_fallback,
         )
+        finished = True
     except ConfigError as exc:
         error(str(exc))
         return 2
@@ -109,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
         error(str(exc))
         return 1
     finally:
-        shutdown()
+        # every rank gets here together only after a run that finished; on an error a peer
+        # may be blocked in another collective, so nothing may wait for it
+        shutdown(wait=finished)
     if not args.quiet and _is_main():
         print(
             f"diffattn train: step {result.step}, loss {result.final.get('loss', float('nan')):.4f}"

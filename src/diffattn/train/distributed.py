@@ -9,10 +9,14 @@ variables with NCCL on CUDA and gloo on CPU. Every helper here is a no-op in a s
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+import sys
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -97,10 +101,112 @@ def init_process_group(env: DistEnv, device: torch.device) -> bool:
     return True
 
 
-def shutdown() -> None:
-    """Leave the process group if one exists."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(*, wait: bool = True) -> bool:
+    """Leave the process group (if one exists); see :func:`exit_process` for why and how.
+
+    With ``wait`` (the run ended normally on every rank, and every rank calls this): wait for
+    every rank (a barrier, so no peer is still inside a collective), destroy the groups, drop
+    torch's DTensor caches that refer to them and collect garbage, so that a group nothing
+    else holds is freed and its worker threads are joined now. Without ``wait`` (this rank is
+    failing and its peers may be blocked in another collective): destroy the groups only;
+    nothing here waits for a peer.
+
+    Returns:
+        True when no process group of this process is alive any more (always True in a
+        single process); False when one still is (without ``wait``, or when something holds
+        it: a DDP/FSDP2 model of the caller, or torch itself, see :func:`exit_process`).
+    """
+    global _lingering
+    if not (dist.is_available() and dist.is_initialized()):
+        return not _lingering
+    groups = [weakref.ref(group) for group in _all_groups()]
+    if wait:
+        barrier()
+    dist.destroy_process_group()
+    if wait:
+        _clear_dtensor_caches()
+        gc.collect()
+    _lingering = not wait or any(ref() is not None for ref in groups)
+    return not _lingering
+
+
+_lingering = False
+"""A destroyed process group is still alive (its backend's worker threads may run)."""
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with exit status ``code`` without racing a communication thread.
+
+    ``destroy_process_group`` unregisters a group but frees it only when nothing refers to it
+    any more, and with torch 2.13 something always does after an FSDP2 run: creating a
+    ``DeviceMesh`` leaves references to the default group in torch's C++ registries that no
+    public call releases. The group's backend then keeps its worker threads (gloo:
+    ``pt_gloo_runloop``, ``gloo_tcp_loop``) until the process ends. When such a thread
+    finishes a collective and has to take the GIL (to run or drop a Python completion
+    callback) after the interpreter has begun to finalize, Python ends the thread with
+    ``pthread_exit``; the forced unwind meets a C++ ``noexcept`` frame and the process aborts
+    with "terminate called without an active exception" (SIGABRT), after a run that
+    succeeded. On a loaded machine the thread can lag the main thread long enough for this.
+
+    So while a process group lives (never destroyed, or left alive by :func:`shutdown`), this
+    flushes the standard streams and the ``logging`` handlers and leaves with
+    ``os._exit(code)``: nothing of the interpreter is torn down while those threads run (the
+    files the run wrote are closed before this). Otherwise it raises ``SystemExit(code)`` as
+    ``sys.exit`` does.
+    """
+    if not (_lingering or (dist.is_available() and dist.is_initialized())):
+        raise SystemExit(code)
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _all_groups() -> list[Any]:
+    """Every process group of this process (the default one and those created later)."""
+    from torch.distributed import distributed_c10d
+
+    groups = list(getattr(distributed_c10d._world, "pg_map", {}))
+    default = distributed_c10d._get_default_group()
+    return groups if default in groups else [default, *groups]
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty torch's DTensor caches, which hold the ``DeviceMesh`` objects (and through them
+    the process groups) of the shardings they have seen. Each is looked up by name and
+    skipped when this torch version does not have it."""
+    import importlib
+
+    for module_name, path in DTENSOR_CACHES:
+        try:
+            target: Any = importlib.import_module(module_name)
+            for name in path:
+                target = getattr(target, name)
+        except (ImportError, AttributeError):
+            continue
+        target()
+
+
+DTENSOR_CACHES = (
+    # sharding propagation: the Python LRU cache and the C++ fast path
+    ("torch.distributed.tensor.debug", ("_clear_sharding_prop_cache",)),
+    (
+        "torch.distributed.tensor._sharding_prop",
+        ("ShardingPropagator", "_propagate_tensor_meta_cached", "cache_clear"),
+    ),
+    # redistribution planners and transform plans, keyed by mesh
+    ("torch.distributed.tensor._redistribute", ("clear_redistribute_planner_cache",)),
+    ("torch.distributed.tensor._redistribute", ("_gen_transform_infos", "cache_clear")),
+    # mesh topology of the collective cost model
+    (
+        "torch.distributed.tensor._collective_utils",
+        ("MeshTopoInfo", "build_from_mesh", "cache_clear"),
+    ),
+)
+"""(module, attribute path) of each DTensor cache-clearing callable."""
 
 
 def active() -> bool:
