@@ -3,8 +3,7 @@
 ``auto`` is resolved per call, from the call's entry point (``softmax`` for the baseline,
 ``diff_v1``, ``diff_v2``), device, dtype and shape (:class:`Call`): a training call (a gradient
 is needed), a prefill (no gradient, several queries), a one-token decode step, a padded batch,
-a full custom 4-D mask, a traced call (``torch.compile``, or a static cache's tensor query
-offset). :func:`order` lists the candidates for a call, fastest first as measured
+a full custom 4-D mask, a call traced by ``torch.compile``. :func:`order` lists the candidates for a call, fastest first as measured
 (``docs/performance.md``, *What auto picks*, gives each entry and the run behind it), and
 :func:`choose` takes the first that runs here exactly:
 
@@ -51,7 +50,8 @@ class Call:
     padded: bool
     custom_mask: bool
     traced: bool
-    """Inside ``torch.compile``, or a tensor query offset (a static cache's fixed shapes)."""
+    """Inside ``torch.compile`` (an eager static-cache step, with its tensor query offset, is
+    a decode)."""
 
     @classmethod
     def of(cls, entry: str, tensors: tuple[torch.Tensor, ...], mask: AttentionMask) -> Call:
@@ -64,7 +64,7 @@ class Call:
             decode=q.shape[2] == 1,
             padded=mask.key_padding is not None,
             custom_mask=mask.allowed is not None,
-            traced=torch.compiler.is_compiling() or isinstance(mask.query_offset, torch.Tensor),
+            traced=torch.compiler.is_compiling(),
         )
 
     @property
