@@ -3,9 +3,10 @@
 ``auto`` is resolved per call, from the call's entry point (``softmax`` for the baseline,
 ``diff_v1``, ``diff_v2``), device, dtype and shape (:class:`Call`): a training call (a gradient
 is needed), a prefill (no gradient, several queries), a one-token decode step, a padded batch,
-a full custom 4-D mask, a call traced by ``torch.compile``. :func:`order` lists the candidates for a call, fastest first as measured
-(``docs/performance.md``, *What auto picks*, gives each entry and the run behind it), and
-:func:`choose` takes the first that runs here exactly:
+a full custom 4-D mask, a call traced by ``torch.compile``. :func:`order` lists the
+candidates for a call, fastest first as measured (``docs/performance.md``, *What auto picks*,
+gives each entry and the run behind it), and :func:`choose` takes the first that runs here
+exactly:
 
 * a backend that cannot run on the tensors (``Backend.unusable``: no CUDA, no package, wrong
   dtype) is skipped silently;

@@ -46,6 +46,7 @@ and the ``fused`` backend falls back to its PyTorch path (logged once).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -87,6 +88,11 @@ def unavailable() -> str | None:
         if not _state["loaded"] and _state["error"] is None:
             try:
                 from torch.utils import cpp_extension
+
+                logging.getLogger("diffattn.kernels").info(
+                    "building the compiled DIFF V1 CPU kernel (first use; cached under "
+                    "TORCH_EXTENSIONS_DIR)"
+                )
 
                 cpp_extension.load(
                     name=_build_name(),
