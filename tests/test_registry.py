@@ -390,3 +390,22 @@ def test_auto_through_caches_equals_the_reference_forward(attention, cache_kind)
     stepped = torch.cat(pieces, dim=1)
     scale = float(full[real].abs().max())
     assert float((stepped[real] - full[real]).abs().max()) / scale <= 1e-5
+
+
+def test_a_stale_build_lock_is_a_reason_to_fall_back_not_a_hang(monkeypatch, tmp_path):
+    """An interrupted build leaves its lock file; the next first call must not wait forever."""
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    from diffattn.attention import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "_state", {"loaded": False, "error": None})
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: tmp_path)
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - 2 * cpu_kernel.STALE_LOCK_SECONDS
+    os.utime(lock, (old, old))
+    reason = cpu_kernel.unavailable()
+    assert reason is not None and "delete it" in reason and str(lock) in reason
