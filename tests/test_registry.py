@@ -171,11 +171,15 @@ def failed_build(monkeypatch):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("simulated: no C++ compiler found (c++: command not found)")
 
+    from diffattn.attention import auto
+
     monkeypatch.setattr(cpu_kernel, "_state", {"loaded": False, "error": None})
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     for key in [k for k in registry._logged if k[0] in ("auto", "fused")]:
         registry._logged.discard(key)
+    auto.forget()
     yield
+    auto.forget()
     for key in [k for k in registry._logged if k[0] in ("auto", "fused")]:
         registry._logged.discard(key)
 
@@ -343,6 +347,7 @@ def test_each_resolution_is_logged_once_at_info(caplog):
     from diffattn.attention import auto
 
     auto._announced.clear()
+    auto.forget()
     model = _tiny("diff_v2")
     ids = torch.randint(0, 61, (1, 5))
     with caplog.at_level(logging.INFO, logger="diffattn.kernels"):

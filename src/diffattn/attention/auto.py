@@ -112,8 +112,27 @@ def order(call: Call) -> tuple[str, ...]:
     return ("sdpa",)
 
 
+_memo: dict[Call, str] = {}
+
+
+def forget() -> None:
+    """Drop the remembered CPU resolutions (after a kernel's availability changed)."""
+    _memo.clear()
+
+
 def choose(call: Call, q: torch.Tensor, k: torch.Tensor, mask: AttentionMask) -> str:
-    """The backend ``auto`` runs ``call`` on (see the module docstring)."""
+    """The backend ``auto`` runs ``call`` on (see the module docstring). CPU resolutions
+    depend on the call alone and are remembered (a decode step pays one dict lookup); on
+    other devices flash-attn's ``accepts`` reads the mask, so every call is resolved."""
+    if call.device == "cpu" and call in _memo:
+        return _memo[call]
+    chosen = _resolve(call, q, k, mask)
+    if call.device == "cpu":
+        _memo[call] = chosen
+    return chosen
+
+
+def _resolve(call: Call, q: torch.Tensor, k: torch.Tensor, mask: AttentionMask) -> str:
     chosen = "reference"
     for name in order(call):
         backend = get_backend(name)
