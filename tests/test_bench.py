@@ -344,3 +344,19 @@ def test_paired_ratio_cancels_a_drift_of_load():
     slow = [2 * t for t in ref]
     assert paired_ratio(slow, ref) == pytest.approx(0.5)
     assert paired_ratio(ref, ref) == 1.0
+
+
+def test_default_run_reports_what_auto_runs_in_each_mode(records):
+    """No --backend: every row of ours says the kernel its calls resolved to in that mode,
+    and the FLOP bound follows it (DIFF V1 on the compiled kernel does the baseline's
+    attention FLOPs)."""
+    from diffattn.attention import cpu_kernel
+
+    expected_v1 = "fused" if cpu_kernel.unavailable() is None else "sdpa"
+    for r in records:
+        if r["attention"] not in OURS:
+            continue
+        assert r["backend"] == "auto"
+        assert r["kernel"] == (expected_v1 if r["attention"] == "diff_v1" else "sdpa"), r
+        if r["attention"] == "diff_v1" and expected_v1 == "fused":
+            assert r["flop_bound"] == pytest.approx(1.0, abs=1e-3)

@@ -39,7 +39,7 @@ def _presets_command(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from diffattn.bench import throughput
+    from diffattn.bench import backends, throughput
     from diffattn.version import __version__
 
     parser = argparse.ArgumentParser(
@@ -57,6 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     throughput.add_arguments(bench)
     bench.set_defaults(handler=throughput.run)
+
+    listing = verbs.add_parser(
+        "backends",
+        help="attention backends, what auto picks per call here, and (--time) why",
+        description="Lists the attention backends and what 'auto' resolves each call to on "
+        "this machine; --time times the candidates per case, interleaved.",
+    )
+    backends.add_arguments(listing)
+    listing.set_defaults(handler=backends.run)
 
     sizes = verbs.add_parser("presets", help="list presets with parameter counts per type")
     sizes.add_argument("name", nargs="?", help="one preset (default: all)")

@@ -46,8 +46,10 @@ and the ``fused`` backend falls back to its PyTorch path (logged once).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -88,6 +90,12 @@ def unavailable() -> str | None:
             try:
                 from torch.utils import cpp_extension
 
+                _wait_for_other_builds()
+                logging.getLogger("diffattn.kernels").info(
+                    "building the compiled DIFF V1 CPU kernel (first use; cached under "
+                    "TORCH_EXTENSIONS_DIR)"
+                )
+
                 cpp_extension.load(
                     name=_build_name(),
                     sources=[str(SOURCE)],
@@ -100,6 +108,34 @@ def unavailable() -> str | None:
             except Exception as error:  # no compiler, no ninja, a build or link error
                 _state["error"] = f"could not build {SOURCE.name}: {error}".strip()
     return None if _state["loaded"] else str(_state["error"])
+
+
+STALE_LOCK_SECONDS = 600.0
+"""A build directory's lock older than this was left by an interrupted build (a build takes
+about 25 s, minutes on a loaded machine)."""
+
+
+def _wait_for_other_builds() -> None:
+    """Wait while another process builds the kernel; raise if its lock is stale.
+
+    ``torch.utils.cpp_extension`` waits without limit for the lock file of its build
+    directory, so a build killed midway would hang every later first call; since ``auto``
+    runs DIFF V1 on this kernel by default, a stale lock must become a reason to fall back
+    (with the path to delete), not a hang."""
+    from torch.utils import cpp_extension
+
+    lock = Path(cpp_extension._get_build_directory(_build_name(), False)) / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_SECONDS:
+            raise RuntimeError(
+                f"the build lock {lock} is {age / 60:.0f} minutes old (an interrupted build); "
+                "delete it to build the kernel"
+            )
+        time.sleep(0.5)
 
 
 def tile_positions(rep: int) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from diffattn.attention import observe
+from diffattn.attention import auto, observe
 from diffattn.attention.backends.flash import flash_attention, flash_available
 from diffattn.attention.backends.reference import reference_attention
 from diffattn.attention.backends.sdpa import match_head_widths, sdpa_attention
@@ -49,8 +49,13 @@ __all__ = [
 ]
 
 
-def _backend_for(name: str, q: torch.Tensor, mask: AttentionMask):
-    chosen = get_backend(resolve_backend(name, q))
+def _backend_for(name: str, entry: str, tensors: tuple, k: torch.Tensor, mask: AttentionMask):
+    """The backend a call runs on: ``auto`` resolved for this call (:mod:`.auto`), or the
+    named one (custom masks go to ``sdpa`` when it takes none)."""
+    if name == "auto":
+        call = auto.Call.of(entry, tensors, mask)
+        return get_backend(auto.choose(call, tensors[0], k, mask))
+    chosen = get_backend(resolve_backend(name, tensors[0]))
     if mask.allowed is not None and not chosen.custom_masks:
         log_once(chosen.name, "custom_masks", "takes no 4-D masks; sdpa runs those calls")
         return get_backend("sdpa")
@@ -75,7 +80,7 @@ def softmax_attention(
     if observers:
         call = observe.ObservedCall("softmax", layer, mask, scale, observers)
         return observe.observed_softmax(call, q, k, v), None
-    return _backend_for(backend, q, mask).softmax(q, k, v, mask, scale), None
+    return _backend_for(backend, "softmax", (q, k, v), k, mask).softmax(q, k, v, mask, scale), None
 
 
 def differential_attention(
@@ -105,7 +110,7 @@ def differential_attention(
     if observers:
         call = observe.ObservedCall("diff_v1", layer, mask, scale, observers)
         return observe.observed_diff_v1(call, q1, q2, k1, k2, v, lam), None
-    chosen = _backend_for(backend, q1, mask)
+    chosen = _backend_for(backend, "diff_v1", (q1, q2, k1, k2, v, lam), k1, mask)
     if chosen.diff_v1 is not None:
         return chosen.diff_v1(q1, q2, k1, k2, v, lam, mask, scale), None
     log_once(chosen.name, "diff_v1", "no DIFF V1 entry point; composing two softmax calls")
@@ -133,7 +138,8 @@ def differential_attention_v2(
     if observers:
         call = observe.ObservedCall("diff_v2", layer, mask, scale, observers)
         return observe.observed_diff_v2(call, q, k, v, lam, paired)
-    chosen = _backend_for(backend, q, mask)
+    tensors = (q, k, v) if lam is None else (q, k, v, lam)
+    chosen = _backend_for(backend, "diff_v2", tensors, k, mask)
     if chosen.diff_v2 is not None:
         return chosen.diff_v2(q, k, v, lam, mask, scale, paired)
     log_once(chosen.name, "diff_v2", "no DIFF V2 entry point; composing it from softmax")

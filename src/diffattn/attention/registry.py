@@ -54,6 +54,10 @@ class Backend:
         hf_name: the Hugging Face ``attn_implementation`` this backend answers to, if any.
         custom_masks: see the field.
         description: one line for listings and docs.
+        ready: ``ready(q)`` returns why the backend's fast kernel is not built here (so
+            ``auto`` passes it over, with one warning), or ``None``.
+        accepts: ``accepts(q, k, mask)`` returns why the backend's kernel does not take such a
+            call (so ``auto`` passes it over), or ``None``.
     """
 
     name: str
@@ -66,6 +70,8 @@ class Backend:
     custom_masks: bool = True
     """Whether the kernels take a full 4-D mask (``AttentionMask.allowed``); calls with one go
     to ``sdpa`` otherwise."""
+    ready: Callable[[torch.Tensor], str | None] | None = None
+    accepts: Callable[[torch.Tensor, torch.Tensor, object], str | None] | None = None
 
     @classmethod
     def from_softmax(cls, name: str, softmax: SoftmaxFn, **fields) -> Backend:
@@ -77,7 +83,6 @@ class Backend:
 
 
 _BACKENDS: dict[str, Backend] = {}
-_AUTO_ORDER = ("flash", "sdpa")
 _logged: set[tuple[str, str]] = set()
 _discovered = False
 
@@ -138,16 +143,20 @@ def backend_for_hf(attn_implementation: str) -> str | None:
     return None
 
 
-def resolve_backend(name: str, q: torch.Tensor) -> str:
-    """A concrete backend for tensors like ``q``: ``auto`` picks flash when it can run, else
-    sdpa; a named backend that cannot run on ``q`` raises ``RuntimeError`` saying why."""
+def resolve_backend(name: str, q: torch.Tensor, call=None, mask=None, k=None) -> str:
+    """A concrete backend for tensors like ``q``. ``auto`` is resolved for ``call`` (an
+    :class:`diffattn.attention.auto.Call`; default: a prefill of softmax attention without
+    padding) by :func:`diffattn.attention.auto.choose`; a named backend that cannot run on
+    ``q`` raises ``RuntimeError`` saying why."""
     check_backend_name(name)
     if name == "auto":
-        for candidate in _AUTO_ORDER:
-            backend = _BACKENDS.get(candidate)
-            if backend is not None and backend.why_unusable(q) is None:
-                return candidate
-        return "reference"
+        from diffattn.attention import auto
+        from diffattn.attention.mask import AttentionMask
+
+        mask = AttentionMask() if mask is None else mask
+        if call is None:
+            call = auto.Call("softmax", q.device.type, q.dtype, False, False, False, False, False)
+        return auto.choose(call, q, q if k is None else k, mask)
     reason = _BACKENDS[name].why_unusable(q)
     if reason is not None:
         raise RuntimeError(f"backend={name!r} {reason}")

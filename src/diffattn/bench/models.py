@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from diffattn.attention.kernels import resolve_backend
+from diffattn.bench.backends import auto_choice
 from diffattn.bench.flops import (
     V1Form,
     decode_flops_per_token,
@@ -38,6 +39,10 @@ from diffattn.generation import decode_step
 from diffattn.model import DiffTransformerLM
 
 DEX_ROWS = ("dex_unmerged", "dex_merged")
+ENTRY_OF = {"baseline": "softmax", "diff_v1": "diff_v1", "diff_v2": "diff_v2"}
+"""The attention entry point each model type calls."""
+MODE_CASES = {"fwd": "prefill", "fwd+bwd": "train", "decode": "decode"}
+"""The call shape of each bench mode, as ``auto`` sees it."""
 
 
 @dataclass
@@ -64,6 +69,18 @@ class Candidate:
     """The KV cache ``decode`` uses: ``static`` or ``dynamic``."""
     v1_form: V1Form = "qk_once"
     """How the kernel computes DIFF V1 (:func:`~diffattn.bench.flops.v1_form_for_kernel`)."""
+    mode_kernels: dict[str, str] | None = None
+    """The kernel of each mode when it differs by call (``auto`` resolves per call)."""
+
+    def kernel_in(self, mode: str) -> str:
+        """The attention kernel this row runs in ``mode``."""
+        return (self.mode_kernels or {}).get(mode, self.kernel)
+
+    def v1_form_in(self, mode: str) -> V1Form:
+        """How this row's kernel computes DIFF V1 in ``mode``."""
+        if self.mode_kernels is None or mode not in self.mode_kernels:
+            return self.v1_form
+        return v1_form_for_kernel(self.mode_kernels[mode])
 
     def flops_per_token(
         self, mode: str, seq_len: int, new_tokens: int = 1, as_computed: bool = False
@@ -71,7 +88,7 @@ class Candidate:
         """FLOPs per token of ``mode`` (backward = 2× forward; ``seq_len`` is the prompt length
         in ``decode``). Model FLOPs count DIFF V1 with QK once; ``as_computed`` counts it the way
         this row's kernel computes it (the FLOP bound's numbers)."""
-        form = self.v1_form if as_computed else "qk_once"
+        form = self.v1_form_in(mode) if as_computed else "qk_once"
         if mode == "decode":
             flops = decode_flops_per_token(self.config, seq_len, new_tokens, form)
             return flops + self.extra_flops
@@ -168,8 +185,17 @@ def our_candidates(
     for name, config in configs.items():
         torch.manual_seed(0)
         model = DiffTransformerLM(config).to(device=device, dtype=dtype)
-        kernel = resolve_backend(config.backend, probe)
-        cache = "dynamic" if kernel == "flash" else "static"  # flash aligns causal to the end
+        mode_kernels = None
+        if config.backend == "auto":  # resolved per call: what each mode's calls run on
+            entry = ENTRY_OF[config.attention]
+            mode_kernels = {
+                mode: auto_choice(entry, case, device, dtype) for mode, case in MODE_CASES.items()
+            }
+            kernel = mode_kernels["fwd+bwd"]
+        else:
+            kernel = resolve_backend(config.backend, probe)
+        decode_kernel = (mode_kernels or {}).get("decode", kernel)
+        cache = "dynamic" if decode_kernel == "flash" else "static"  # flash: causal to the end
         out.append(
             Candidate(
                 name=name,
@@ -182,6 +208,7 @@ def our_candidates(
                 config=config,
                 cache=cache,
                 v1_form=v1_form_for_kernel(kernel),
+                mode_kernels=mode_kernels,
             )
         )
     return out

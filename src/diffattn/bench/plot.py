@@ -1,4 +1,5 @@
-"""``diffattn bench --plot``: tokens/s against sequence length, one panel per mode.
+"""``diffattn bench --plot``: tokens/s against sequence length, one panel per mode, and
+below it each row's paired throughput ratio to its baseline (DIFF V1 / baseline, ...).
 
 The analogue of Dex Fig 12 (throughput of base Llama, Diff Transformer and Dex against context
 length): every row of the run is a line (ours solid, Hugging Face ones dashed), the x axis is
@@ -27,8 +28,10 @@ def plot_sweep(records: list[dict[str, Any]], path: Path) -> Path:
     if not records:
         raise ValueError("no records to plot")
     modes = [m for m in TITLES if any(r["mode"] == m for r in records)]
-    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
+    fig, axes = plt.subplots(2, len(modes), figsize=(5 * len(modes), 8), squeeze=False)
     first = records[0]
+    for ax, mode in zip(axes[1], modes, strict=True):
+        _ratio_panel(ax, [r for r in records if r["mode"] == mode], mode)
     for ax, mode in zip(axes[0], modes, strict=True):
         rows = [r for r in records if r["mode"] == mode]
         names = list(dict.fromkeys(r["attention"] for r in rows))
@@ -55,3 +58,32 @@ def plot_sweep(records: list[dict[str, Any]], path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _ratio_panel(ax, rows: list[dict[str, Any]], mode: str) -> None:
+    """Paired throughput ratio of every row to its reference row against length (the
+    reference rows themselves, at 1, are left out; a dotted line marks 1)."""
+    names = [n for n in dict.fromkeys(r["attention"] for r in rows) if n not in REFERENCES]
+    for name in names:
+        points = sorted(
+            (r["seq_len"], r["paired_ratio_to_baseline"]) for r in rows if r["attention"] == name
+        )
+        style = "-" if name in OURS else ":" if name in DEX_ROWS else "--"
+        xs, ys = zip(*points, strict=True)
+        ax.plot(xs, ys, style, marker="o", label=f"{name} / {_reference_of(rows, name)}")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log", base=2)
+    lengths = sorted({r["seq_len"] for r in rows})
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.set_xlabel("prompt length" if mode == "decode" else "sequence length N")
+    ax.set_ylabel("paired throughput ratio")
+    ax.set_title(f"{TITLES[mode]}: ratio to its baseline")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+REFERENCES = ("baseline", "hf_llama")
+
+
+def _reference_of(rows: list[dict[str, Any]], name: str) -> str:
+    return next(r["ratio_reference"] for r in rows if r["attention"] == name)

@@ -593,7 +593,7 @@ def _records(candidates, mode, seq_len, times, peaks, args, mem_seq_len) -> list
                 "seconds_median": statistics.median(times[c.name]),
                 "seconds": times[c.name],
                 "spread": _spread(times[c.name]),
-                "kernel": c.kernel,
+                "kernel": c.kernel_in(mode),
                 "cache": c.cache if decode else None,
                 "prompt_len": seq_len if decode else None,
                 "new_tokens": new if decode else None,
@@ -800,7 +800,8 @@ def _ids(args: argparse.Namespace, length: int) -> torch.Tensor:
 def _run(args: argparse.Namespace, configs: dict[str, ModelConfig], log) -> int:
     candidates = build_candidates(args, configs, log)
     for c in candidates:
-        log(f"{c.name:<13} {c.params:>12,} parameters, attention kernel {c.kernel}")
+        kernels = ", ".join(f"{m} {c.kernel_in(m)}" for m in MODES) if c.mode_kernels else c.kernel
+        log(f"{c.name:<13} {c.params:>12,} parameters, attention kernel {kernels}")
     records = []
     for n in lengths_of(args):
         for mode in modes_of(args):

@@ -31,6 +31,21 @@ def _unusable(q: torch.Tensor) -> str | None:
     return None
 
 
+def _accepts(q: torch.Tensor, k: torch.Tensor, mask: AttentionMask) -> str | None:
+    """Why flash-attn does not take this call (``auto`` then runs it on ``sdpa``)."""
+    n, s = q.shape[2], k.shape[2]
+    if mask.allowed is not None:
+        return "a full 4-D mask"
+    if isinstance(mask.query_offset, torch.Tensor):
+        return "a tensor query offset (static cache): flash aligns causal masks to the end"
+    if mask.key_padding is None:
+        return None if mask.query_offset in (0, s - n) else "query_offset != S - N"
+    if n != s and n != 1:
+        return "padding with N queries against S > N keys"
+    kind = padding_kind(mask.key_padding)
+    return None if kind in ("none", "left", "right") else f"{kind} padding"
+
+
 def _flash_call(q, k, v, mask: AttentionMask, scale: float) -> torch.Tensor:
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
@@ -88,6 +103,7 @@ register_backend(
         "flash",
         flash_attention,
         unusable=_unusable,
+        accepts=_accepts,
         hf_name="flash_attention_2",
         custom_masks=False,
         description="flash-attn 2 on CUDA in fp16/bf16 (var-len for padding)",

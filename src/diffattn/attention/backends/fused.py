@@ -346,12 +346,24 @@ def fused_diff_v1(
     return _FusedDiffV1.apply(q1, q2, k1, k2, v, lam, mask, scale)
 
 
+def _ready(q: torch.Tensor) -> str | None:
+    """Why ``auto`` should not pick ``fused`` here: its fast path is the compiled CPU kernel
+    (built on first use; the blocked torch path is for explicit use and for custom masks)."""
+    if q.device.type != "cpu":
+        return f"its fast path is the compiled CPU kernel, got device={q.device}"
+    if not USE_COMPILED:
+        return "the compiled CPU kernel is switched off (fused.USE_COMPILED = False)"
+    reason = cpu_kernel.unavailable()
+    return None if reason is None else f"compiled CPU kernel unavailable ({reason})"
+
+
 register_backend(
     Backend(
         "fused",
         sdpa_attention,
         diff_v1=fused_diff_v1,
         diff_v2=compose_v2(sdpa_attention),
+        ready=_ready,
         description="DIFF V1 with QKᵀ at width d and V read once, no N×N tensor: a compiled "
         "C++ kernel on the CPU, blocked torch ops elsewhere (fp32 compute); baseline and "
         "DIFF V2 on sdpa",

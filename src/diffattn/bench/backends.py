@@ -1,0 +1,298 @@
+"""``diffattn backends``: what ``auto`` runs each attention call on here, and the timing
+behind it.
+
+Without options it lists the registered backends (usable here or why not) and, for every
+attention entry point (``softmax``: the baseline; ``diff_v1``; ``diff_v2``) and call shape
+(:class:`~diffattn.attention.auto.Call`: training, prefill, one-token decode, each with and
+without padding; a custom 4-D mask; a traced static-cache decode step), the backend ``auto``
+resolves to on this machine, by the same function the models call
+(:func:`diffattn.attention.auto.choose`).
+
+``--time`` measures what the choice rests on: for every case it times each backend with its
+own kernel for that entry point, interleaved (each repetition runs all of them, starting one
+later each time), and prints the median time and the paired ratio to ``sdpa`` (the median over
+repetitions of ``sdpa``'s time over the backend's time within the repetition: above 1 is
+faster). Shapes follow ``diffattn bench`` (heads of width 64; DIFF V1: ``h/2`` differential
+heads, V of width 128).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diffattn.attention import auto
+from diffattn.attention.kernels import (
+    differential_attention,
+    differential_attention_v2,
+    softmax_attention,
+)
+from diffattn.attention.mask import AttentionMask
+from diffattn.attention.registry import backend_names, get_backend
+
+HEAD_DIM = 64
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CASES = (
+    "train",
+    "prefill",
+    "decode",
+    "train + padding",
+    "prefill + padding",
+    "decode + padding",
+    "custom mask",
+    "traced",
+)
+"""The calls listed; ``traced`` (a static-cache decode step inside ``torch.compile``) is not
+timed."""
+OWN_KERNELS = {
+    "softmax": ("sdpa", "flash", "reference"),
+    "diff_v1": ("sdpa", "fused", "triton", "flash", "reference"),
+    "diff_v2": ("sdpa", "flash", "reference"),
+}
+"""Backends with a kernel of their own for each entry point (the others run ``sdpa``'s)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sizes of the timed calls: ``heads`` query heads of width 64 for the baseline."""
+
+    seq_len: int = 2048
+    heads: int = 8
+    kv_heads: int = 8
+    batch: int = 1
+    head_dim: int = HEAD_DIM
+
+
+def _mask(case: str, batch: int, n: int, s: int, device) -> AttentionMask:
+    offset = s - n
+    padding = None
+    if "padding" in case:
+        padding = torch.ones(batch, s, dtype=torch.bool, device=device)
+        padding[:, : max(1, s // 8)] = False  # left padding: an eighth of every row
+    if case == "custom mask":
+        # two packed documents, each causal within itself
+        half = n // 2
+        doc = (torch.arange(n, device=device) >= half).long()
+        allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        allowed &= doc[:, None] == doc[None, :]
+        return AttentionMask(allowed=allowed[None, None])
+    if case == "traced":
+        return AttentionMask(key_padding=padding, query_offset=torch.tensor(offset))
+    return AttentionMask(key_padding=padding, query_offset=offset)
+
+
+def make_call(
+    entry: str, case: str, shape: Shape, device, dtype
+) -> tuple[Callable[[str], torch.Tensor], tuple]:
+    """``(run(backend), inputs)`` for one entry point and case: ``run`` calls the entry point
+    on ``backend`` (forward, plus backward in ``train`` cases) and returns the output."""
+    decode = case.startswith("decode") or case == "traced"  # static-cache steps
+    b, h, kv, s = shape.batch, shape.heads, shape.kv_heads, shape.seq_len
+    n = 1 if decode else s
+    grad = case.startswith("train")
+    mask = _mask(case, b, n, s, device)
+    d = shape.head_dim
+    scale = d**-0.5
+
+    def t(*size):
+        return torch.randn(*size, device=device, dtype=dtype).requires_grad_(grad)
+
+    if entry == "softmax":
+        inputs = (t(b, h, n, d), t(b, kv, s, d), t(b, kv, s, d))
+
+        def fn(backend):
+            return softmax_attention(*inputs, mask, scale, backend)[0]
+
+    elif entry == "diff_v1":
+        hd, kvd = h // 2, max(1, kv // 2)
+        qs = (t(b, hd, n, d), t(b, hd, n, d))
+        ks = (t(b, kvd, s, d), t(b, kvd, s, d))
+        lam = torch.tensor(0.3, device=device).requires_grad_(grad)
+        inputs = (*qs, *ks, t(b, kvd, s, 2 * d), lam)
+
+        def fn(backend):
+            return differential_attention(*inputs, mask, scale, backend)[0]
+
+    elif entry == "diff_v2":
+        lam = torch.rand(b, h, n, 1, device=device, dtype=dtype).requires_grad_(grad)
+        inputs = (t(b, 2 * h, n, d), t(b, kv, s, d), t(b, kv, s, d), lam)
+
+        def fn(backend):
+            return differential_attention_v2(*inputs, mask, scale, backend)
+
+    else:
+        raise ValueError(f"entry must be one of {', '.join(auto.ENTRIES)}, got {entry!r}")
+
+    def run(backend: str) -> torch.Tensor:
+        with torch.set_grad_enabled(grad):
+            out = fn(backend)
+            if grad:
+                out.float().sum().backward()
+        return out
+
+    return run, inputs
+
+
+def auto_choice(entry: str, case: str, device, dtype) -> str:
+    """What ``auto`` resolves a call of ``entry`` and ``case`` to here (tiny tensors, the
+    same resolution as a model's calls)."""
+    shape = Shape(seq_len=8, heads=4, kv_heads=2, batch=2)
+    _, inputs = make_call(entry, case, shape, device, dtype)
+    decode = case.startswith("decode") or case == "traced"
+    mask = _mask(case, 2, 1 if decode else 8, 8, device)
+    k = inputs[2] if entry == "diff_v1" else inputs[1]
+    with torch.set_grad_enabled(case.startswith("train")):
+        call = auto.Call.of(entry, inputs, mask)
+    if case == "traced":  # what a call inside torch.compile sees
+        call = dataclasses.replace(call, traced=True)
+    return auto.choose(call, inputs[0], k, mask)
+
+
+def usable_here(name: str, device, dtype) -> str | None:
+    """Why backend ``name`` cannot run on ``device``/``dtype`` here, or ``None``."""
+    return get_backend(name).why_unusable(torch.empty(0, device=device, dtype=dtype))
+
+
+def listing(device: str, dtypes: list[str]) -> str:
+    """The backends and ``auto``'s table for ``device`` in each of ``dtypes``."""
+    lines = [f"attention backends on {device} (torch {torch.__version__}):"]
+    for name in backend_names():
+        if name == "auto":
+            continue
+        backend = get_backend(name)
+        why = usable_here(name, device, DTYPES[dtypes[0]])
+        state = "usable" if why is None else f"not usable: {why}"
+        lines.append(f"  {name:<10} {state}; {backend.description}")
+    for dtype in dtypes:
+        lines += ["", f"auto on {device}, {dtype}:"]
+        lines.append((f"  {'call':<19}" + "".join(f"{e:<10}" for e in auto.ENTRIES)).rstrip())
+        for case in CASES:
+            picks = [auto_choice(e, case, device, DTYPES[dtype]) for e in auto.ENTRIES]
+            lines.append((f"  {case:<19}" + "".join(f"{p:<10}" for p in picks)).rstrip())
+    return "\n".join(lines)
+
+
+def candidates(entry: str, case: str, device, dtype, with_reference: bool) -> list[str]:
+    """Backends timed for ``entry`` and ``case``: those with their own kernel, usable here."""
+    names = [n for n in OWN_KERNELS[entry] if n in backend_names()]
+    names = [n for n in names if usable_here(n, device, dtype) is None]
+    if not with_reference:
+        names = [n for n in names if n != "reference"]
+    return names
+
+
+def time_case(
+    entry: str, case: str, shape: Shape, device, dtype, repeats: int, with_reference: bool
+) -> dict[str, Any]:
+    """Interleaved timing of every candidate for one case (see the module docstring)."""
+    run, _ = make_call(entry, case, shape, device, dtype)
+    names = candidates(entry, case, device, dtype, with_reference)
+    calls = 32 if case.startswith("decode") or case == "traced" else 1
+    times: dict[str, list[float]] = {n: [] for n in names}
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    for rep in range(repeats + 1):  # the first repetition warms up
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            sync()
+            start = time.perf_counter()
+            for _ in range(calls):
+                run(name)
+            sync()
+            if rep:
+                times[name].append((time.perf_counter() - start) / calls)
+    base = times.get("sdpa")
+    rows = {}
+    for name, seconds in times.items():
+        paired = (
+            statistics.median(b / s for s, b in zip(seconds, base, strict=True)) if base else 1.0
+        )
+        rows[name] = {"median_s": statistics.median(seconds), "paired_vs_sdpa": paired}
+    return {
+        "entry": entry,
+        "case": case,
+        "auto": auto_choice(entry, case, device, dtype),
+        "timings": rows,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``diffattn backends``."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--dtype", choices=(*DTYPES, "all"), default="all", help="default: fp32 and bf16"
+    )
+    parser.add_argument(
+        "--time", action="store_true", help="time every candidate per case, interleaved"
+    )
+    parser.add_argument("--entries", default=",".join(auto.ENTRIES), help="entry points to time")
+    parser.add_argument("--cases", default=",".join(CASES[:-1]), help="cases to time")
+    parser.add_argument("--seq-len", type=int, default=2048, help="--time: keys per call")
+    parser.add_argument("--heads", type=int, default=8, help="--time: baseline query heads")
+    parser.add_argument("--kv-heads", type=int, default=None, help="--time: default --heads")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="--time: head width")
+    parser.add_argument("--repeats", type=int, default=5, help="--time: timed repetitions")
+    parser.add_argument(
+        "--reference", action="store_true", help="--time: time the reference kernel too"
+    )
+    parser.add_argument("--json", action="store_true", help="--time: JSON records on stdout")
+
+
+def _problem(args: argparse.Namespace) -> str | None:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: CUDA is not available on this machine"
+    entries = args.entries.split(",")
+    if any(e not in auto.ENTRIES for e in entries):
+        return f"--entries: choose among {', '.join(auto.ENTRIES)}, got {args.entries!r}"
+    if any(c not in CASES[:-1] for c in args.cases.split(",")):
+        return f"--cases: choose among {', '.join(CASES[:-1])}, got {args.cases!r}"
+    for name in ("seq_len", "heads", "batch", "repeats", "head_dim"):
+        if getattr(args, name) < (2 if name == "seq_len" else 1):
+            return f"--{name.replace('_', '-')} is too small: {getattr(args, name)}"
+    kv = args.kv_heads or args.heads
+    if args.heads % 2 or kv % 2 or args.heads % kv:
+        return f"--heads and --kv-heads must be even, kv dividing heads, got {args.heads}, {kv}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """``diffattn backends``; returns the exit code (2 on bad input)."""
+    problem = _problem(args)
+    if problem is not None:
+        print(f"diffattn backends: error: {problem}", file=sys.stderr)
+        return 2
+    dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype]
+    if not args.time:
+        print(listing(args.device, dtypes))
+        return 0
+    shape = Shape(args.seq_len, args.heads, args.kv_heads or args.heads, args.batch, args.head_dim)
+    records = []
+    for dtype in dtypes:
+        for entry in args.entries.split(","):
+            for case in args.cases.split(","):
+                print(f"timing {entry} {case} {dtype}", file=sys.stderr, flush=True)
+                record = time_case(
+                    entry, case, shape, args.device, DTYPES[dtype], args.repeats, args.reference
+                )
+                records.append({**record, "dtype": dtype, "threads": torch.get_num_threads()})
+    if args.json:
+        print(json.dumps(records, indent=1))
+        return 0
+    print(f"{shape}, {args.repeats} interleaved repetitions, {torch.get_num_threads()} threads")
+    print(f"{'dtype':<5} {'entry':<8} {'call':<18} {'auto':<7} backend: median ms (paired x sdpa)")
+    for r in records:
+        cells = "  ".join(
+            f"{name}: {t['median_s'] * 1e3:.2f} ({t['paired_vs_sdpa']:.2f})"
+            for name, t in r["timings"].items()
+        )
+        print(f"{r['dtype']:<5} {r['entry']:<8} {r['case']:<18} {r['auto']:<7} {cells}")
+    return 0
