@@ -103,3 +103,13 @@ def test_bad_retrieval_settings_are_one_clear_error(tmp_path, capsys):
     assert main(["compare", "--out", str(out), "--set", "retrieval.grid=[2,99]"]) == 2
     assert "pairs must be in" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_recipe_and_the_python_defaults_agree():
+    """``RetrievalSettings()`` in Python is what ``diffattn compare`` runs by default."""
+    import yaml
+
+    from diffattn.compare import default_recipe
+
+    section = yaml.safe_load(default_recipe().read_text())["retrieval"]
+    assert RetrievalSettings.from_dict(section) == RetrievalSettings()

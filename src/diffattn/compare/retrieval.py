@@ -41,14 +41,14 @@ class RetrievalSettings:
     """Everything the experiment does (the ``retrieval:`` section of the compare recipe)."""
 
     # task (diffattn.data.synthetic.RetrievalTask)
-    context: int = 64
+    context: int = 32
     queries: int = 4
     lookalikes: int = 1
     filler: int = 16
     prefixes: int = 8
     suffixes: int = 16
     values: int = 32
-    grid: tuple[int, ...] = (4, 8, 12, 16)
+    grid: tuple[int, ...] = (4, 6, 8, 10)
     """Pair counts measured (the difficulty axis); training draws from the same range."""
     # model (the recipe's preset, resized) and training
     preset: str = "tiny"
@@ -56,7 +56,7 @@ class RetrievalSettings:
     n_layers: int = 2
     n_heads: int = 4
     """Baseline heads; DIFF V1 pairs them, DIFF V2 doubles its query heads (match_params)."""
-    steps: int = 600
+    steps: int = 900
     batch_size: int = 32
     lr: float = 3e-3
     warmup: int = 30
@@ -69,7 +69,7 @@ class RetrievalSettings:
     """Test episodes per grid point (each asks every one of its queries)."""
     test_seed: int = 1234
     bits: tuple[int, ...] = (8, 6, 4)
-    seeds: int = 5
+    seeds: int = 3
     device: str = "auto"
 
     def __post_init__(self) -> None:
