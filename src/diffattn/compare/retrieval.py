@@ -277,8 +277,6 @@ def measure(
 ) -> dict[str, Any]:
     """Every measurement of one trained model on the fixed test episodes (any model the probe
     observes; see the module docstring for the keys)."""
-    import torch
-
     from diffattn.data.synthetic import retrieval_test_set
     from diffattn.eval.outliers import quantize_absmax
     from diffattn.probe import AttentionMaps, Lambda, LogitTransform
@@ -322,7 +320,6 @@ def measure(
             per_point = [sum(e[f"{kind}_{unit}"]) / len(e[f"{kind}_{unit}"]) for e in last]
             results[f"{kind}_{unit}"] = sum(per_point) / len(per_point)
     results["chance"] = 1.0 / task.values
-    del torch
     return results
 
 
