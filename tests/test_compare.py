@@ -57,6 +57,7 @@ def small_options(tmp_path, corpus, **changes) -> CompareOptions:
         jobs=1,
         progress=False,
         evaluate=False,
+        part="lm",
     )
     for key, value in changes.items():
         setattr(options, key, value)
@@ -169,7 +170,7 @@ def test_scaled_down_compare_measures_and_judges_every_model(tmp_path, one_threa
     )  # fmt: skip
     options = CompareOptions(
         out=tmp_path / "out", overrides=overrides, steps=2, seeds=2, progress=False,
-        eval_settings=settings, jobs=2,
+        eval_settings=settings, jobs=2, part="lm",
     )  # fmt: skip
     result = run_compare(options)  # two worker processes
     out = tmp_path / "out"

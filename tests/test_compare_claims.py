@@ -64,3 +64,41 @@ def test_unpaired_runs_and_bad_claims_are_errors():
         evaluate_claims([LOSS], {"diff_v1": [{"loss": 1.0}]})
     with pytest.raises(ValueError, match="better"):
         Claim("loss", "x", "y", "smaller")
+
+
+GATED = Claim("acc", "higher accuracy", "DIFF V1 Tab 2", "higher", gate="acc", chance=0.1)
+
+
+def test_uninformative_when_the_baseline_is_at_the_floor_or_the_ceiling():
+    def verdict(base, diff, claim=GATED):
+        per_seed = {
+            "baseline": [{"acc": a, "chance": 0.1} for a in base],
+            "diff_v1": [{"acc": a, "chance": 0.1} for a in diff],
+        }
+        return evaluate_claims([claim], per_seed)[0].verdict
+
+    # a clear, consistent gain, but the baseline is at chance + < 5 points: uninformative
+    assert verdict([0.12, 0.13, 0.14], [0.50, 0.52, 0.51]) == "uninformative"
+    # the same gain from a baseline off the floor is judged by the usual rule
+    assert verdict([0.30, 0.31, 0.32], [0.50, 0.52, 0.51]) == "supported"
+    assert verdict([0.50, 0.52, 0.51], [0.30, 0.31, 0.32]) == "not supported"
+    # at the ceiling (> 95%)
+    assert verdict([0.96, 0.97, 0.98], [0.99, 0.99, 1.0]) == "uninformative"
+    assert verdict([0.94, 0.95, 0.95], [0.99, 0.99, 1.0]) == "supported"
+    # chance read from the results when the claim names a key
+    by_key = Claim("acc", "higher accuracy", "Tab 2", "higher", gate="acc", chance="chance")
+    assert verdict([0.12, 0.13, 0.14], [0.50, 0.52, 0.51], by_key) == "uninformative"
+    assert verdict([0.16, 0.16, 0.16], [0.50, 0.52, 0.51], by_key) == "supported"
+    # an ungated claim never is
+    plain = Claim("acc", "higher accuracy", "Tab 2", "higher")
+    assert verdict([0.12, 0.13, 0.14], [0.50, 0.52, 0.51], plain) == "supported"
+
+
+def test_the_uninformative_rule_is_stated_with_gated_claims():
+    per_seed = {"baseline": [{"acc": 0.5}, {"acc": 0.6}], "diff_v1": [{"acc": 0.6}, {"acc": 0.7}]}
+    table = claims_table(evaluate_claims([GATED], per_seed))
+    assert "*Uninformative*" in table and "chance + 5 points" in table and "95%" in table
+    assert "Uninformative" not in claims_table(evaluate_claims([NEEDLE], {
+        "baseline": [{"needle": 0.1}, {"needle": 0.2}],
+        "diff_v1": [{"needle": 0.1}, {"needle": 0.2}],
+    }))  # fmt: skip

@@ -8,25 +8,45 @@ from diffattn.train.cli import add_set_option
 
 DESCRIPTION = (
     "Train a Transformer baseline, DIFF V1 and DIFF V2 at matched parameter count on the same "
-    "tokens, in the same order, with the same seeds; measure each (AR-Hit loss, multi-needle "
-    "retrieval, attention to answer and noise, outliers, quantized logits, λ) and judge the "
-    "papers' claims from the spread over seeds. Writes OUT/report.md, results.json and PNGs. "
-    "With no arguments: the embedded recipe (docs/compare.md), within 10 minutes on 2 CPU cores."
+    "data, in the same order, with the same seeds, in two parts: language modelling (AR-Hit "
+    "loss, multi-needle retrieval, attention to answer and noise, outliers, quantized logits, λ) "
+    "and token-level retrieval among look-alike distractors (accuracy against the number of "
+    "pairs, attention to the queried pair and to distractors, accuracy under quantized logits, "
+    "λ); judge the papers' claims from the spread over seeds. Writes OUT/report.md, "
+    "results.json and PNGs. With no arguments: the embedded recipe (docs/compare.md), both "
+    "parts, within 10 minutes on 2 CPU cores."
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``compare`` verb's arguments to ``parser``."""
-    from diffattn.compare import ATTENTIONS
+    from diffattn.compare import ATTENTIONS, PARTS
 
     parser.add_argument("--out", default="runs/compare", help="output directory")
     parser.add_argument(
+        "--part",
+        default="all",
+        choices=PARTS,
+        help="lm: language modelling; retrieval: the token-level retrieval experiment "
+        "(scale it with --set retrieval.steps=..., retrieval.seeds=..., retrieval.grid=[...]); "
+        "all: both (default)",
+    )
+    parser.add_argument(
         "--config", default=None, help="a YAML recipe (default: the embedded compare recipe)"
     )
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps per language-modelling run (retrieval: --set retrieval.steps=N)",
+    )
     parser.add_argument("--preset", default=None, help="model preset (see `diffattn presets`)")
     parser.add_argument(
-        "--seeds", type=int, default=3, help="seeds per model (default 3; verdicts need >= 2)"
+        "--seeds",
+        type=int,
+        default=3,
+        help="seeds per model in the language-modelling part (default 3; verdicts need >= 2; "
+        "the retrieval part's: --set retrieval.seeds=N)",
     )
     parser.add_argument(
         "--jobs",
@@ -52,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="held-out tokens for loss, outliers and quantization (default 40,000)",
     )
-    parser.add_argument("--device", default=None, help="auto, cpu or cuda")
+    parser.add_argument("--device", default=None, help="auto, cpu or cuda (both parts)")
     parser.add_argument(
         "--attention",
         nargs="+",
@@ -93,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         evaluate=args.evaluate,
         eval_settings=settings,
+        part=args.part,
     )
     run_compare(options)
     return 0

@@ -13,6 +13,13 @@ Layout of ``OUT``::
     report.md, report.json  the results table, settings and λ summaries
     loss_curves.png         training and validation loss per attention type
     lambda.png              DIFF V1 λ and DIFF V2 mean λ per layer over steps
+    retrieval/<attention>-seed<k>/retrieval.json   the retrieval experiment's runs
+    retrieval_accuracy.png, retrieval_attention.png  its accuracy and attention plots
+
+Two parts (``part``): ``lm``, language modelling on the recipe's data mix, and
+``retrieval``, the token-level retrieval experiment of :mod:`diffattn.compare.retrieval`
+(settings: the recipe's ``retrieval:`` section, ``--set retrieval.key=value``); ``all`` runs
+both.
 
 Running the same command again reuses finished runs (and resumes interrupted ones from their
 checkpoints) and rewrites the report; an ``OUT`` holding a different plan is refused unless
@@ -34,7 +41,9 @@ from diffattn.compare.evaluate import EvalSettings
 from diffattn.compare.report import RunSummary, summarise_run, write_report
 
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
+PARTS = ("all", "lm", "retrieval")
 PLAN_NAME = "compare.yaml"
+RETRIEVAL_KEY = "retrieval"
 
 
 @dataclass
@@ -60,6 +69,8 @@ class CompareOptions:
     evaluate: bool = True
     """Measure every trained model (:mod:`diffattn.compare.evaluate`) and judge the claims."""
     eval_settings: EvalSettings = field(default_factory=EvalSettings)
+    part: str = "all"
+    """``lm`` (language modelling), ``retrieval`` (the retrieval experiment) or ``all``."""
 
 
 @dataclass
@@ -75,12 +86,57 @@ def default_recipe() -> Path:
     return Path(str(resources.files("diffattn.recipes").joinpath("compare.yaml")))
 
 
+def read_recipe(path: Path) -> dict[str, Any]:
+    """The recipe at ``path`` as a mapping; ``ConfigError`` names what is wrong."""
+    import yaml
+
+    from diffattn.train import ConfigError
+    from diffattn.train.config import yaml_error_text
+
+    if not path.is_file():
+        raise ConfigError("config", f"{path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError("config", f"{path}: cannot be read ({error})") from None
+    except yaml.YAMLError as error:
+        raise ConfigError("config", f"{path}: not valid YAML, {yaml_error_text(error)}") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path}: expected a mapping at the top level")
+    return data
+
+
+def retrieval_settings(options: CompareOptions, recipe: dict[str, Any], device: str):
+    """The retrieval experiment's settings: the recipe's ``retrieval:`` section with the
+    ``retrieval.*`` overrides; its device is ``--device`` or the recipe's ``device``."""
+    from diffattn.compare.retrieval import RetrievalSettings
+    from diffattn.train import ConfigError
+    from diffattn.train.config import apply_overrides
+
+    section = recipe.get(RETRIEVAL_KEY) or {}
+    if not isinstance(section, dict):
+        raise ConfigError(RETRIEVAL_KEY, "expected a mapping of settings")
+    mine = [o for o in options.overrides if o.strip().startswith(RETRIEVAL_KEY + ".")]
+    data = apply_overrides({RETRIEVAL_KEY: {"device": device, **section}}, mine)[RETRIEVAL_KEY]
+    if options.device is not None:
+        data["device"] = options.device
+    try:
+        return RetrievalSettings.from_dict(data)
+    except ValueError as error:
+        message = str(error)
+        if not message.startswith("retrieval"):
+            message = f"retrieval: {message}"
+        raise ConfigError(RETRIEVAL_KEY, message.partition(": ")[2]) from None
+
+
 def plan_configs(options: CompareOptions) -> tuple[Any, dict[tuple[str, int], Any]]:
     """Validate everything and return (base config, {(attention, seed): TrainConfig}).
 
     Raises ``ConfigError`` (a ``ValueError`` naming the key) before any file is written.
     """
-    from diffattn.train import ConfigError, check_runtime, load_config, read_env
+    from diffattn.train import ConfigError, TrainConfig, check_runtime, read_env
+    from diffattn.train.config import apply_overrides
 
     if not options.attentions:
         raise ConfigError("--attention", "name at least one attention type")
@@ -93,7 +149,9 @@ def plan_configs(options: CompareOptions) -> tuple[Any, dict[tuple[str, int], An
         raise ConfigError("--attention", "each attention type may appear once")
     if options.seeds < 1:
         raise ConfigError("--seeds", f"must be >= 1, got {options.seeds}")
-    overrides = list(options.overrides)
+    if options.part not in PARTS:
+        raise ConfigError("--part", f"must be one of {', '.join(PARTS)}, got {options.part!r}")
+    overrides = [o for o in options.overrides if not o.strip().startswith(RETRIEVAL_KEY + ".")]
     if options.steps is not None:
         overrides.append(f"steps={options.steps}")
     if options.preset is not None:
@@ -101,6 +159,12 @@ def plan_configs(options: CompareOptions) -> tuple[Any, dict[tuple[str, int], An
     if options.device is not None:
         overrides.append(f"device={options.device}")
     recipe = Path(options.config) if options.config is not None else default_recipe()
+    data = read_recipe(recipe)
+    data.pop(RETRIEVAL_KEY, None)
+
+    def load_config(_: Path, items: list[str]) -> Any:
+        return TrainConfig.from_dict(apply_overrides(data, items))
+
     base = load_config(recipe, overrides)
     env = read_env()
     if env.world_size > 1:
@@ -118,8 +182,10 @@ def plan_configs(options: CompareOptions) -> tuple[Any, dict[tuple[str, int], An
     return base, configs
 
 
-def _plan_text(options: CompareOptions, base: Any) -> str:
+def _plan_text(options: CompareOptions, base: Any, retrieval: Any) -> str:
     """The resolved plan as YAML; the attention field varies per run and is left out."""
+    from dataclasses import asdict
+
     import yaml
 
     from diffattn.train import dump_config
@@ -131,6 +197,9 @@ def _plan_text(options: CompareOptions, base: Any) -> str:
         "attentions": list(options.attentions),
         "seeds": [base.seed + i for i in range(options.seeds)],
         "recipe": recipe,
+        RETRIEVAL_KEY: {
+            k: list(v) if isinstance(v, tuple) else v for k, v in asdict(retrieval).items()
+        },
     }
     return yaml.safe_dump(plan, sort_keys=True)
 
@@ -221,19 +290,46 @@ def needle_settings_for(settings: EvalSettings, sources: Sequence[str]) -> EvalS
 
 
 def run_compare(options: CompareOptions) -> CompareResult:
-    """Train every (attention, seed) run of the plan on the same data, measure every trained
-    model, judge the claims and write the report."""
-    from diffattn.compare.evaluate import held_out_windows
-    from diffattn.data import prepare_data
+    """Run the parts of the comparison ``options.part`` names: train every (attention, seed)
+    run of the plan on the same data, measure every trained model, judge the claims and write
+    the report."""
     from diffattn.fileio import use_plan_directory
 
     say = partial(print, flush=True) if options.progress else (lambda *a, **k: None)
     base, configs = plan_configs(options)
-    jobs, threads = resolve_jobs(options.jobs, len(configs), str(base.device))
+    recipe = Path(options.config) if options.config is not None else default_recipe()
+    retrieval = retrieval_settings(options, read_recipe(recipe), str(base.device))
     out = Path(options.out)
-    use_plan_directory(out, PLAN_NAME, _plan_text(options, base), options.overwrite, "a comparison")
+    plan = _plan_text(options, base, retrieval)
+    use_plan_directory(out, PLAN_NAME, plan, options.overwrite, "a comparison")
 
     started = time.perf_counter()
+    section = None
+    if options.part in ("all", "retrieval"):
+        from diffattn.compare.retrieval import run_all
+        from diffattn.compare.retrieval_report import retrieval_section
+
+        say("diffattn compare: the retrieval experiment")
+        per_type = run_all(out, retrieval, options.attentions, options.jobs, say)
+        section = retrieval_section(out, retrieval, per_type)
+    summaries: list[RunSummary] = []
+    prepared = None
+    if options.part in ("all", "lm"):
+        summaries, prepared = _language_modelling(options, base, configs, out, say)
+    report, plots = write_report(
+        out, base, summaries, prepared, time.perf_counter() - started, retrieval=section
+    )
+    return CompareResult(out_dir=out, runs=summaries, report=report, plots=plots)
+
+
+def _language_modelling(
+    options: CompareOptions, base: Any, configs: dict, out: Path, say: Any
+) -> tuple[list[RunSummary], Any]:
+    """The language-modelling part: every run trained and measured; their summaries."""
+    from diffattn.compare.evaluate import held_out_windows
+    from diffattn.data import prepare_data
+
+    jobs, threads = resolve_jobs(options.jobs, len(configs), str(base.device))
     say(f"diffattn compare: preparing data ({', '.join(base.data_config().sources)})")
     prepared = prepare_data(base.data_config(), progress=options.progress)
     held_out = None
@@ -268,8 +364,7 @@ def run_compare(options: CompareOptions) -> CompareResult:
         summary = summarise_run(job.attention, job.seed, job.config, job.run_dir, result)
         summary.evals = evals
         summaries.append(summary)
-    report, plots = write_report(out, base, summaries, prepared, time.perf_counter() - started)
-    return CompareResult(out_dir=out, runs=summaries, report=report, plots=plots)
+    return summaries, prepared
 
 
 def _run_parallel(work: list[_Job], jobs: int, threads: int | None, say: Any) -> dict:
@@ -304,4 +399,11 @@ def _run_parallel(work: list[_Job], jobs: int, threads: int | None, say: Any) ->
     return done
 
 
-__all__ = ["ATTENTIONS", "CompareOptions", "CompareResult", "default_recipe", "run_compare"]
+__all__ = [
+    "ATTENTIONS",
+    "PARTS",
+    "CompareOptions",
+    "CompareResult",
+    "default_recipe",
+    "run_compare",
+]

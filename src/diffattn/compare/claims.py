@@ -8,7 +8,10 @@ With n seeds, mean d̄ and standard error se = sd(d) / √n:
 
 * **supported**: d̄ lies on the side the paper predicts and |d̄| > ``z`` · se;
 * **not supported**: d̄ lies on the other side and |d̄| > ``z`` · se;
-* **inconclusive**: otherwise, or with fewer than two seeds (no spread to judge noise by).
+* **inconclusive**: otherwise, or with fewer than two seeds (no spread to judge noise by);
+* **uninformative**: for a claim tied to an accuracy (``Claim.gate``), the baseline's mean
+  accuracy is at the floor (less than 5 points above chance) or at the ceiling (above 95%), so
+  the task cannot separate the models, whatever the differences say.
 
 ``z`` defaults to 2 (roughly a two-sided 95% interval for moderate n; with 3 seeds it is a
 lenient bar, which the report states next to the table). The rule is computed, never written by
@@ -22,7 +25,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-VERDICTS = ("supported", "not supported", "inconclusive")
+VERDICTS = ("supported", "not supported", "inconclusive", "uninformative")
+FLOOR_MARGIN = 0.05
+"""Points above chance the baseline's accuracy must exceed for a gated claim to count."""
+CEILING = 0.95
+"""Accuracy above which the baseline is at the ceiling."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,11 @@ class Claim:
     better: str
     paper: str = ""
     """The paper's own figures, DIFF against the Transformer, for the report."""
+    gate: str | None = None
+    """An accuracy key: the claim is *uninformative* when the baseline's mean of it is at the
+    floor or the ceiling (:func:`at_floor_or_ceiling`). ``None``: never."""
+    chance: float | str | None = None
+    """Chance accuracy of ``gate``: a number, or a key of the per-seed results holding it."""
 
     def __post_init__(self) -> None:
         if self.better not in ("lower", "higher"):
@@ -83,6 +95,30 @@ def judge(differences: Sequence[float], better: str, z: float = 2.0) -> tuple[fl
     return mean, stderr, "supported" if predicted else "not supported"
 
 
+def at_floor_or_ceiling(
+    accuracies: Sequence[float],
+    chance: float,
+    margin: float = FLOOR_MARGIN,
+    ceiling: float = CEILING,
+) -> bool:
+    """Whether the mean of ``accuracies`` is below ``chance + margin`` or above ``ceiling``:
+    a task the baseline cannot do at all, or does perfectly, separates no models."""
+    values = [float(a) for a in accuracies if not math.isnan(float(a))]
+    if not values:
+        return True
+    mean = statistics.fmean(values)
+    return mean < chance + margin or mean > ceiling
+
+
+def _gated(claim: Claim, reference: Sequence[Mapping[str, float]]) -> bool:
+    if claim.gate is None:
+        return False
+    chance = claim.chance
+    if isinstance(chance, str) or chance is None:
+        chance = float(reference[0].get(chance or "chance", 0.0)) if reference else 0.0
+    return at_floor_or_ceiling([float(r.get(claim.gate, math.nan)) for r in reference], chance)
+
+
 def evaluate_claims(
     claims: Sequence[Claim],
     per_seed: Mapping[str, Sequence[Mapping[str, float]]],
@@ -112,6 +148,8 @@ def evaluate_claims(
                 for run, ref in zip(runs, reference, strict=True)
             )
             mean, stderr, verdict = judge(diffs, claim.better, z)
+            if _gated(claim, reference):
+                verdict = "uninformative"
             out.append(Verdict(claim, model, diffs, mean, stderr, verdict))
     return out
 
@@ -132,8 +170,15 @@ def claims_table(verdicts: Sequence[Verdict], z: float = 2.0) -> str:
         f"\nVerdict rule: paired differences over seeds, mean ± standard error; *supported* when "
         f"the mean lies on the predicted side by more than {z:g} standard errors, *not "
         f"supported* when on the other side by more than {z:g}, else *inconclusive* (always "
-        "with fewer than two seeds).\n"
+        "with fewer than two seeds)."
     )
+    if any(v.claim.gate for v in verdicts):
+        rule += (
+            f" *Uninformative*: the Transformer's mean accuracy on the task behind the claim is "
+            f"below chance + {FLOOR_MARGIN * 100:g} points or above {CEILING * 100:g}%, so the "
+            "task cannot separate the models, whatever the difference."
+        )
+    rule += "\n"
     return "\n".join(lines) + "\n" + rule
 
 
@@ -216,3 +261,65 @@ PAPER_CLAIMS: tuple[Claim, ...] = (
 """The claims ``diffattn compare`` judges, each read off the measurements of
 :mod:`diffattn.compare.evaluate`. Fig 8 scores HellaSwag accuracy under quantization; at this
 scale the loss added on held-out text stands in for it."""
+
+RETRIEVAL_CLAIMS: tuple[Claim, ...] = (
+    Claim(
+        "acc_mean",
+        "higher retrieval accuracy among distractors, mean over pair counts",
+        "DIFF V1 Tab 2",
+        "higher",
+        "0.90 vs 0.76 (mean over N, R; 4K, 3B)",
+        gate="acc_mean",
+    ),
+    Claim(
+        "acc_hard",
+        "higher retrieval accuracy with the most pairs (hardest point)",
+        "DIFF V1 Tab 2",
+        "higher",
+        "0.85 vs 0.55 (N=6, R=2)",
+        gate="acc_hard",
+    ),
+    Claim(
+        "answer_share",
+        "more attention on the queried pair",
+        "DIFF V1 Tab 3, Fig 1",
+        "higher",
+        "0.27–0.40 vs 0.03–0.09",
+        gate="acc_mean",
+    ),
+    Claim(
+        "noise_share",
+        "less attention outside the queried pair (attention noise)",
+        "DIFF V1 Tab 3, Fig 1",
+        "lower",
+        "0.01–0.02 vs 0.49–0.54",
+        gate="acc_mean",
+    ),
+    Claim(
+        "lookalike_share",
+        "less attention on look-alike distractor pairs",
+        "DIFF V1 Fig 1 (noise cancellation)",
+        "lower",
+        "Fig 1: Transformer's attention spread over distractors, DIFF's on the answer",
+        gate="acc_mean",
+    ),
+    Claim(
+        "qdrop_6",
+        "less accuracy lost with 6-bit attention logits",
+        "DIFF V1 Fig 8",
+        "lower",
+        "HellaSwag acc. kept at 6 bits; Transformer drops",
+        gate="acc_mean",
+    ),
+    Claim(
+        "qdrop_4",
+        "less accuracy lost with 4-bit attention logits",
+        "DIFF V1 Fig 8",
+        "lower",
+        "4-bit DIFF ≈ 6-bit Transformer, ~25 points above 4-bit Transformer",
+        gate="acc_mean",
+    ),
+)
+"""The claims the retrieval experiment (:mod:`diffattn.compare.retrieval`) judges; each is
+gated on the baseline's accuracy: *uninformative* when the baseline is at the floor or the
+ceiling of the task (chance is the results' ``chance``: one over the number of values)."""

@@ -221,19 +221,15 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """Every measurement of one trained model; cached in ``run_dir/eval.json``."""
     from diffattn.eval.common import fingerprint, load_models
-    from diffattn.fileio import read_json, write_json
+    from diffattn.fileio import write_json
 
     key = fingerprint(
         [str(Path(checkpoint).name), asdict(settings), held_out.fingerprint, held_out.seq_len]
     )
     cache = Path(run_dir) / EVAL_NAME
-    if cache.is_file():
-        try:
-            cached = read_json(cache)
-        except ValueError:
-            cached = {}
-        if cached.get("fingerprint") == key:
-            return cached["results"]
+    cached = cached_results(cache, key)
+    if cached is not None:
+        return cached
     (model,) = load_models([str(checkpoint)], device=device)
     results = {
         **_text(model, settings, held_out),
@@ -242,6 +238,20 @@ def evaluate_checkpoint(
     }
     write_json(cache, {"fingerprint": key, "results": results})
     return results
+
+
+def cached_results(cache: Path, key: str) -> dict[str, Any] | None:
+    """The results stored in ``cache`` (JSON) under fingerprint ``key``; ``None`` when the file
+    is missing, unreadable or holds another fingerprint."""
+    from diffattn.fileio import read_json
+
+    if not cache.is_file():
+        return None
+    try:
+        cached = read_json(cache)
+    except ValueError:
+        return None
+    return cached["results"] if cached.get("fingerprint") == key else None
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -256,8 +256,13 @@ def write_report(
     prepared: Any,
     elapsed_s: float,
     z: float = 2.0,
+    retrieval: tuple[list[str], dict[str, Any], list[Path]] | None = None,
 ) -> tuple[Path, list[Path]]:
-    """Write ``results.json``, the plots and ``report.md``; print the tables."""
+    """Write ``results.json``, the plots and ``report.md``; print the tables.
+
+    ``runs`` may be empty (the language-modelling part not run); ``retrieval`` is the
+    retrieval experiment's section (:func:`~diffattn.compare.retrieval_report.retrieval_section`)
+    when it ran."""
     from diffattn.compare.claims import PAPER_CLAIMS, claims_table, evaluate_claims
     from diffattn.compare.plots import plot_evals, plot_lambda, plot_losses
     from diffattn.train import dump_config
@@ -273,6 +278,7 @@ def write_report(
         for p in (plot_losses(out, runs), plot_lambda(out, runs), plot_evals(out, per_seed))
         if p is not None
     ]
+    retrieval_lines, retrieval_data, retrieval_plots = retrieval or ([], None, [])
     stats = getattr(prepared, "stats", None)
     data = {
         "rows": rows,
@@ -298,25 +304,32 @@ def write_report(
         "tokenizer": getattr(getattr(prepared, "tokenizer", None), "name", None),
         "recipe": dump_config(base),
         "plots": [p.name for p in plots],
+        "retrieval": retrieval_data,
     }
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
     tmp.replace(out / "results.json")
 
+    report = out / "report.md"
+    lines = ["# diffattn compare", "", f"Total wall time {elapsed_s / 60:.1f} min.", ""]
+    lines += retrieval_lines
+    if not runs:
+        report.write_text("\n".join(lines), encoding="utf-8")
+        print(f"\nreport: {report}" + "".join(f"\nplot:   {p}" for p in retrieval_plots))
+        return report, retrieval_plots
     tokens_per_step = base.global_batch_size * base.seq_len
     seeds = sorted({r.seed for r in runs})
-    lines = [
-        "# diffattn compare",
+    lines += [
+        "## Language modelling",
         "",
         f"Same tokens, order and seed for every model; {len(seeds)} seed(s) "
         f"({', '.join(map(str, seeds))}); {base.steps} steps of "
         f"{base.global_batch_size} × {base.seq_len} = {tokens_per_step:,} tokens. "
-        f"Data: {', '.join(base.data_config().sources)}. Total wall time "
-        f"{elapsed_s / 60:.1f} min.",
+        f"Data: {', '.join(base.data_config().sources)}.",
         "",
     ]
     if verdicts:
-        lines += ["## The papers' claims at this scale", ""]
+        lines += ["### The papers' claims at this scale", ""]
         lines += [*outcome_sentences(verdicts), ""]
         lines += [claims_table(verdicts, z), ""]
         if len(seeds) < 3:
@@ -326,7 +339,7 @@ def write_report(
                 "",
             ]
     if per_seed:
-        lines += ["## Measurements (mean ± sd over seeds)", "", measurement_table(per_seed), ""]
+        lines += ["### Measurements (mean ± sd over seeds)", "", measurement_table(per_seed), ""]
         lines += [
             "The trainer's validation stream; needles at the trained length on the "
             "synthetic haystack; attention shares are the last prompt token's attention on the "
@@ -335,7 +348,7 @@ def write_report(
             "",
         ]
     if noise:
-        lines += ["## Is the validation set large enough?", ""]
+        lines += ["### Is the validation set large enough?", ""]
         lines += [
             "| model | windows | loss − Transformer | window-level s.e. (paired) | sd over seeds |",
             "|---|---|---|---|---|",
@@ -351,7 +364,7 @@ def write_report(
             "noise of the validation set; the sd over seeds is the noise of training.",
             "",
         ]
-    lines += ["## Training", "", markdown_table(rows), ""]
+    lines += ["### Training", "", markdown_table(rows), ""]
     lines += [
         "Validation loss here is the trainer's last evaluation "
         f"({base.eval_batches} held-out batches); train loss is the mean of the last 10% of "
@@ -362,10 +375,10 @@ def write_report(
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     if not plots:
         lines.append("(no plots: install matplotlib, e.g. `pip install 'diffattn[train]'`)")
-    lines += ["", "## Data", "", f"- tokenizer: `{data['tokenizer']}`", f"- {data['data']}"]
-    lines += ["", "## Recipe", "", "```yaml", dump_config(base).rstrip(), "```", ""]
-    report = out / "report.md"
+    lines += ["", "### Data", "", f"- tokenizer: `{data['tokenizer']}`", f"- {data['data']}"]
+    lines += ["", "### Recipe", "", "```yaml", dump_config(base).rstrip(), "```", ""]
     report.write_text("\n".join(lines), encoding="utf-8")
+    plots = retrieval_plots + plots
     print("\n" + text_table(rows))
     if verdicts:
         print()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qsl
 
 SYNTHETIC_PREFIX = "synthetic:"
@@ -244,3 +245,207 @@ def synthetic_documents(spec: str) -> Iterator[str]:
     make = _recall_document if parsed.task == "recall" else _needle_document
     for _ in range(parsed.params["docs"]):
         yield make(rng, parsed.params)
+
+
+# ----------------------------------------------------------------------------------------------
+# token-level retrieval episodes (no tokenizer)
+# ----------------------------------------------------------------------------------------------
+IGNORE_INDEX = -100
+BOS, SEP = 0, 1
+
+
+@dataclass(frozen=True)
+class RetrievalTask:
+    """Token-level multi-query associative recall among look-alike distractors.
+
+    After Zoology's MQAR (Arora et al. 2023): keys and values come from disjoint token ranges
+    and the loss falls on the answers only. A key is two tokens, a *prefix* from a small set
+    and a *suffix*; every queried key has ``lookalikes`` other keys in its context that share
+    its prefix (distractors that match half of the query, so they compete for its
+    attention, the situation DIFF V1 Fig 1 and Table 3 are about). The rest of the context is
+    filler tokens (irrelevant context). Layout of every episode (fixed positions)::
+
+        BOS | context: `pairs` triples (prefix suffix value) at random slots among filler |
+        SEP | queries: `queries` triples (prefix suffix value)
+
+    ``pairs`` is the difficulty axis (the role of the paper's needle count; more pairs means
+    more keys competing for the query's attention in the same context length). The answer to
+    a query is predicted at its suffix position (label on the value position, shifted by the
+    model's loss as for next-token prediction).
+
+    Token ranges: 0 BOS, 1 SEP, then ``filler``, ``prefixes``, ``suffixes``, ``values`` tokens
+    in that order (``vocab_size`` is their total plus 2).
+    """
+
+    context: int = 64
+    """Context tokens between BOS and SEP (pairs take 3 each, filler the rest)."""
+    queries: int = 4
+    lookalikes: int = 1
+    """Keys sharing each queried key's prefix (look-alike distractors), when ``pairs`` allows."""
+    filler: int = 16
+    prefixes: int = 8
+    suffixes: int = 16
+    values: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("context", "queries", "filler", "prefixes", "suffixes", "values"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RetrievalTask.{name} must be >= 1, got {getattr(self, name)}")
+        if self.lookalikes < 0:
+            raise ValueError(f"RetrievalTask.lookalikes must be >= 0, got {self.lookalikes}")
+        if self.queries > self.prefixes:
+            raise ValueError("RetrievalTask: queries need as many distinct prefixes")
+        if self.lookalikes + 1 > self.suffixes:
+            raise ValueError("RetrievalTask: lookalikes + 1 keys need as many distinct suffixes")
+
+    @property
+    def vocab_size(self) -> int:
+        return 2 + self.filler + self.prefixes + self.suffixes + self.values
+
+    @property
+    def seq_len(self) -> int:
+        return 1 + self.context + 1 + 3 * self.queries
+
+    def max_pairs(self) -> int:
+        return min(self.context // 3, self.prefixes * self.suffixes)
+
+    def check_pairs(self, pairs: int) -> None:
+        if not self.queries <= pairs <= self.max_pairs():
+            raise ValueError(
+                f"retrieval: pairs must be in {self.queries}..{self.max_pairs()} (queries .. "
+                f"context // 3) for context {self.context}, got {pairs}"
+            )
+
+    def token(self, kind: str, index: int) -> int:
+        """The id of the ``index``-th token of ``kind`` (filler, prefix, suffix, value)."""
+        start = 2
+        for name, size in (
+            ("filler", self.filler),
+            ("prefix", self.prefixes),
+            ("suffix", self.suffixes),
+            ("value", self.values),
+        ):
+            if name == kind:
+                if not 0 <= index < size:
+                    raise ValueError(f"{kind} index {index} out of range 0..{size - 1}")
+                return start + index
+            start += size
+        raise ValueError(f"unknown token kind {kind!r}")
+
+
+@dataclass
+class RetrievalEpisodes:
+    """A batch of episodes, as plain lists (``torch.tensor`` them for a model).
+
+    ``answer_spans[b][q]`` is the (start, end) of the queried pair in the context (prefix,
+    suffix, value); ``lookalike_spans[b][q]`` those of the pairs sharing its prefix;
+    ``other_spans[b][q]`` the remaining pairs; ``query_positions[q]`` the position that
+    predicts the q-th answer (its suffix), ``answers[b][q]`` the answer token.
+    """
+
+    input_ids: list[list[int]]
+    labels: list[list[int]]
+    pairs: list[int]
+    query_positions: list[int]
+    answers: list[list[int]]
+    answer_spans: list[list[tuple[int, int]]]
+    lookalike_spans: list[list[list[tuple[int, int]]]]
+    other_spans: list[list[list[tuple[int, int]]]]
+
+
+def retrieval_episode(task: RetrievalTask, rng: random.Random, pairs: int) -> dict[str, Any]:
+    """One episode with ``pairs`` key–value pairs (see :class:`RetrievalTask`), as a dict of
+    the fields of :class:`RetrievalEpisodes` for one row."""
+    task.check_pairs(pairs)
+    # queried keys: distinct prefixes, each followed by its look-alikes (same prefix)
+    per_query = min(task.lookalikes, (pairs - task.queries) // task.queries)
+    keys: list[tuple[int, int]] = []
+    queried: list[int] = []
+    for prefix in rng.sample(range(task.prefixes), task.queries):
+        queried.append(len(keys))
+        keys.extend((prefix, s) for s in rng.sample(range(task.suffixes), 1 + per_query))
+    used = set(keys)
+    while len(keys) < pairs:  # the rest: any unused key (may share a prefix by chance)
+        key = (rng.randrange(task.prefixes), rng.randrange(task.suffixes))
+        if key not in used:
+            used.add(key)
+            keys.append(key)
+    values = [rng.randrange(task.values) for _ in keys]
+    order = list(range(pairs))
+    rng.shuffle(order)
+    filler_len = task.context - 3 * pairs
+    cuts = sorted(rng.choices(range(filler_len + 1), k=pairs))  # filler before each pair
+    ids = [BOS]
+    start: dict[int, int] = {}
+    placed = 0
+    for cut, index in zip(cuts, order, strict=True):
+        ids.extend(task.token("filler", rng.randrange(task.filler)) for _ in range(cut - placed))
+        placed = cut
+        start[index] = len(ids)
+        prefix, suffix = keys[index]
+        ids += [
+            task.token("prefix", prefix),
+            task.token("suffix", suffix),
+            task.token("value", values[index]),
+        ]
+    ids.extend(task.token("filler", rng.randrange(task.filler)) for _ in range(filler_len - placed))
+    ids.append(SEP)
+    labels = [IGNORE_INDEX] * len(ids)
+    out: dict[str, Any] = {
+        "query_positions": [],
+        "answers": [],
+        "answer_spans": [],
+        "lookalike_spans": [],
+        "other_spans": [],
+    }
+    for index in rng.sample(queried, len(queried)):
+        prefix, suffix = keys[index]
+        value = task.token("value", values[index])
+        ids += [task.token("prefix", prefix), task.token("suffix", suffix), value]
+        labels += [IGNORE_INDEX, IGNORE_INDEX, value]
+        out["query_positions"].append(len(ids) - 2)
+        out["answers"].append(value)
+        out["answer_spans"].append((start[index], start[index] + 3))
+        out["lookalike_spans"].append(
+            [(start[k], start[k] + 3) for k in range(pairs) if k != index and keys[k][0] == prefix]
+        )
+        out["other_spans"].append(
+            [(start[k], start[k] + 3) for k in range(pairs) if keys[k][0] != prefix]
+        )
+    return {"input_ids": ids, "labels": labels, **out}
+
+
+def retrieval_batch(
+    task: RetrievalTask, rng: random.Random, pairs: int | list[int], size: int
+) -> RetrievalEpisodes:
+    """``size`` episodes; ``pairs`` one count, or a list to draw each episode's count from
+    uniformly (training covers the evaluation grid this way). All episodes share one layout,
+    so ``query_positions`` is common to the batch."""
+    rows = []
+    counts = []
+    for _ in range(size):
+        count = pairs if isinstance(pairs, int) else rng.choice(pairs)
+        counts.append(count)
+        rows.append(retrieval_episode(task, rng, count))
+    return RetrievalEpisodes(
+        input_ids=[r["input_ids"] for r in rows],
+        labels=[r["labels"] for r in rows],
+        pairs=counts,
+        query_positions=rows[0]["query_positions"] if rows else [],
+        answers=[r["answers"] for r in rows],
+        answer_spans=[r["answer_spans"] for r in rows],
+        lookalike_spans=[r["lookalike_spans"] for r in rows],
+        other_spans=[r["other_spans"] for r in rows],
+    )
+
+
+def retrieval_test_set(
+    task: RetrievalTask, grid: list[int], episodes: int, seed: int
+) -> dict[int, RetrievalEpisodes]:
+    """The fixed test episodes: ``episodes`` per grid point, determined by ``seed`` (and the
+    task) alone, so every model is measured on the same ones."""
+    out = {}
+    for pairs in grid:
+        rng = random.Random(f"retrieval-test:{seed}:{pairs}:{task}")
+        out[pairs] = retrieval_batch(task, rng, pairs, episodes)
+    return out
