@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("yaml")
 pytest.importorskip("tokenizers")
@@ -237,3 +238,30 @@ def test_needles_are_asked_with_the_digits_the_mix_trains():
     assert needle_settings_for(EvalSettings(), ["stdlib"]).needle_digits == 7
     with pytest.raises(ValueError, match="needle cells"):
         EvalSettings(needle_cells=((2, 3),))
+
+
+def test_claims_loss_windows_are_the_trainers_validation_windows(tmp_path):
+    """compare's held-out windows (claims table) are exactly the rows the trainer validates on
+    (training summary, loss plot): one validation loss, whatever the mix's source order."""
+    import numpy as np
+
+    from diffattn.compare.evaluate import held_out_windows
+    from diffattn.data.loader import eval_batches
+    from diffattn.data.shards import ShardSet, ShardWriter
+
+    writer = ShardWriter(
+        tmp_path / "valid", vocab_size=500, eos_id=0, tokenizer_name="t", shard_tokens=1000
+    )
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        writer.add(rng.integers(1, 500, size=int(rng.integers(20, 90))))
+    writer.close()
+    valid = ShardSet.open(tmp_path / "valid")
+    seq_len, batch, batches = 16, 4, 3
+    trainer_rows = torch.cat(list(eval_batches(valid, batch, seq_len, batches)))
+    held_out = held_out_windows(valid, seq_len, batches * batch * seq_len)
+    assert torch.equal(trainer_rows, torch.tensor(held_out.windows, dtype=trainer_rows.dtype))
+    # spread over the stream, not its first windows
+    assert held_out.windows[-1] != [
+        int(t) for t in valid.read((batches * batch - 1) * seq_len, seq_len)
+    ]

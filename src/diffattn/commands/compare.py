@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--eval-tokens",
         type=int,
         default=None,
-        help="held-out tokens for loss, outliers and quantization (default 40,000)",
+        help="held-out tokens for loss, outliers and quantization (default: the trainer's "
+        "validation windows, eval_batches × eval_batch_size × seq_len)",
     )
     parser.add_argument("--device", default=None, help="auto, cpu or cuda (both parts)")
     parser.add_argument(

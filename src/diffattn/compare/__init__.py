@@ -334,7 +334,11 @@ def _language_modelling(
     prepared = prepare_data(base.data_config(), progress=options.progress)
     held_out = None
     if options.evaluate:
-        held_out = held_out_windows(prepared.valid, base.seq_len, options.eval_settings.max_tokens)
+        max_tokens = options.eval_settings.max_tokens
+        if max_tokens is None:  # the trainer's own validation windows: one validation loss
+            eval_rows = base.eval_batches * (base.eval_batch_size or base.global_batch_size)
+            max_tokens = eval_rows * base.seq_len
+        held_out = held_out_windows(prepared.valid, base.seq_len, max_tokens)
     settings = needle_settings_for(options.eval_settings, base.data_config().sources)
     work = [
         _Job(

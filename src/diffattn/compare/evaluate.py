@@ -58,8 +58,11 @@ class EvalSettings:
     recall_pairs: int = 8
     recall_queries: int = 8
     """Pairs listed and queries asked per episode (set them to the mix's ``synthetic:recall``)."""
-    max_tokens: int = 40_000
-    """Token budget of the held-out windows for loss, outliers and quantization."""
+    max_tokens: int | None = None
+    """Token budget of the held-out windows for loss, outliers and quantization; ``None``
+    (the default) takes exactly the trainer's validation windows (``eval_batches ×
+    eval_batch_size`` of them), so the claims table and the training summary report one
+    validation loss."""
     bits: tuple[int, ...] = (8, 6, 4)
     batch_size: int = 16
     seed: int = 0
@@ -69,7 +72,11 @@ class EvalSettings:
             raise ValueError(f"needle cells must be (N, R) with 1 <= R <= N: {self.needle_cells}")
         if not 1 <= self.recall_queries <= self.recall_pairs or self.recall_episodes < 1:
             raise ValueError("recall needs 1 <= queries <= pairs and at least one episode")
-        if self.needle_samples < 1 or self.max_tokens < 2 or self.batch_size < 1:
+        if (
+            self.needle_samples < 1
+            or (self.max_tokens is not None and self.max_tokens < 2)
+            or self.batch_size < 1
+        ):
             raise ValueError("needle_samples, batch_size >= 1 and max_tokens >= 2 are required")
 
     @classmethod
@@ -98,8 +105,10 @@ class HeldOut:
 def held_out_windows(valid: Any, seq_len: int, max_tokens: int) -> HeldOut:
     """Windows of the trainer's validation shards (``valid``, a
     :class:`~diffattn.data.shards.ShardSet`): the stream the trainer validates on, cut into
-    ``seq_len`` windows, up to ``max_tokens`` of them spread evenly over the whole stream, so
-    every source of the mix counts in proportion to its tokens."""
+    ``seq_len`` windows, up to ``max_tokens`` of them spread evenly over the whole stream
+    (:func:`diffattn.data.loader.spread_windows`, the rule the trainer's validation follows),
+    so every source of the mix counts in proportion to its tokens."""
+    from diffattn.data.loader import spread_windows
     from diffattn.eval.common import fingerprint
 
     count = valid.num_tokens // seq_len
@@ -109,7 +118,7 @@ def held_out_windows(valid: Any, seq_len: int, max_tokens: int) -> HeldOut:
             f"{seq_len}; raise data.valid_fraction"
         )
     take = min(count, max(1, max_tokens // seq_len))
-    starts = [(i * count // take) * seq_len for i in range(take)]
+    starts = [int(i) * seq_len for i in spread_windows(count, take)]
     windows = [[int(t) for t in valid.read(start, seq_len)] for start in starts]
     return HeldOut(windows, seq_len, fingerprint(windows))
 
