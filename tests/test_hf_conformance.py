@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from diffattn.hf import DiffAttnConfig, DiffAttnForCausalLM
+from diffattn.hf.compat import is_activation_checkpointing
 from helpers import ATTENTIONS, tiny_config
 
 
@@ -107,11 +108,13 @@ def test_gradient_checkpointing_gives_the_same_gradients(attention):
     model.zero_grad()
     assert model.supports_gradient_checkpointing
     model.gradient_checkpointing_enable()
-    assert model.is_activation_checkpointing
+    assert is_activation_checkpointing(model)
+    assert all(block.gradient_checkpointing for block in model.model.layers)
     model(input_ids=ids, labels=ids).loss.backward()
     for p, want in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-7)
     model.gradient_checkpointing_disable()
+    assert not is_activation_checkpointing(model)
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
