@@ -145,6 +145,30 @@ def test_save_pretrained_and_from_pretrained_restore_identical_logits(tmp_path, 
     torch.testing.assert_close(again(ids).logits, ref, rtol=0, atol=0)
 
 
+def test_from_pretrained_initialises_missing_tensors_and_keeps_every_loaded_one(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model("diff_v1", seed=6)
+    save_model(model, tmp_path)
+    weights = tmp_path / "model.safetensors"
+    stored = load_file(weights)
+    # one of the four λ vectors of a module whose other tensors are present, and a whole Linear
+    missing = {"model.layers.0.attn.lambda_q1", "model.layers.1.ffn.up_proj.weight"}
+    save_file({k: v for k, v in stored.items() if k not in missing}, weights, {"format": "pt"})
+    torch.manual_seed(123)
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert set(info["missing_keys"]) == missing
+    state = hf.state_dict()
+    for key, value in stored.items():
+        if key in missing:
+            assert torch.isfinite(state[key]).all() and not torch.equal(state[key], value)
+        else:
+            torch.testing.assert_close(state[key], value, rtol=0, atol=0)
+    up = state["model.layers.1.ffn.up_proj.weight"]
+    init_std = model.config.init_std
+    assert 0.8 * init_std < float(up.std()) < 1.2 * init_std
+
+
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_hf_generate_with_hf_caches_equals_greedy_reference(attention):
     model = tiny_model(attention, seed=1)
