@@ -25,6 +25,7 @@ import diffattn  # noqa: E402,F401  (registers the Auto classes)
 from diffattn import DiffTransformerLM, ModelConfig  # noqa: E402
 from diffattn.checkpoint import load_model, save_model  # noqa: E402
 from diffattn.hf import DiffAttnConfig, DiffAttnForCausalLM  # noqa: E402
+from diffattn.hf.compat import CACHE_FIELD  # noqa: E402
 
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
 VOCAB = 320
@@ -204,11 +205,33 @@ def test_hf_cache_objects_decode_like_full_forward(attention):
     ids = torch.randint(0, VOCAB, (2, 11))
     full = model(ids).logits
     for cache in (DynamicCache(), StaticCache(config=hf.config, max_cache_len=16)):
-        first = hf(ids[:, :6], past_key_values=cache, use_cache=True)
+        first = hf(ids[:, :6], use_cache=True, **{CACHE_FIELD: cache})
         steps = [first.logits]
         for t in range(6, 11):
-            steps.append(hf(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+            step = hf(ids[:, t : t + 1], use_cache=True, **{CACHE_FIELD: cache})
+            steps.append(step.logits)
         torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_under_its_pre_5_24_name_decodes_the_same_and_both_names_are_refused():
+    import warnings
+
+    hf = DiffAttnForCausalLM.from_diffattn(tiny_model("diff_v1", seed=3)).eval()
+    ids = torch.randint(0, VOCAB, (2, 5))
+    current, old = DynamicCache(), DynamicCache()
+    hf(ids[:, :4], use_cache=True, **{CACHE_FIELD: current})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf(ids[:, :4], use_cache=True, past_key_values=old)
+        step = hf(ids[:, 4:], use_cache=True, past_key_values=old)
+    future = [w for w in caught if issubclass(w.category, FutureWarning)]
+    assert len(future) == (2 if CACHE_FIELD == "cache" else 0)
+    assert all("`cache`" in str(w.message) for w in future)
+    expected = hf(ids[:, 4:], use_cache=True, **{CACHE_FIELD: current})
+    torch.testing.assert_close(step.logits, expected.logits, rtol=0, atol=0)
+    assert getattr(step, CACHE_FIELD) is old and old.get_seq_length() == 5
+    with pytest.raises(ValueError, match="not both"):
+        hf(ids, cache=DynamicCache(), past_key_values=DynamicCache())
 
 
 @pytest.mark.parametrize("attention", ["diff_v1", "diff_v2"])

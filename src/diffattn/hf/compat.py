@@ -103,13 +103,36 @@ CHECKPOINTING_PROPERTY = (
     if hasattr(PreTrainedModel, "is_activation_checkpointing")
     else "is_gradient_checkpointing"
 )
-"""HF's property telling whether ``gradient_checkpointing_enable`` is in effect: renamed
+"""HF's property telling whether activation (gradient) checkpointing is on: renamed
 ``is_activation_checkpointing`` in later 5.x releases (the old name then warns)."""
+
+ACTIVATION_CHECKPOINTING_METHODS = hasattr(PreTrainedModel, "activation_checkpointing_enable")
+"""Whether HF names its switches ``activation_checkpointing_enable``/``_disable`` (later 5.x
+releases; ``gradient_checkpointing_enable``/``_disable`` then warn) or only the old names."""
 
 
 def is_activation_checkpointing(model: PreTrainedModel) -> bool:
     """Whether activation (gradient) checkpointing is on for ``model``, as HF reports it."""
     return bool(getattr(model, CHECKPOINTING_PROPERTY))
+
+
+def enable_activation_checkpointing(
+    model: PreTrainedModel, checkpoint_kwargs: dict[str, Any] | None = None
+) -> None:
+    """HF's activation (gradient) checkpointing on, under this release's name;
+    ``checkpoint_kwargs`` go to ``torch.utils.checkpoint`` (e.g. ``use_reentrant``)."""
+    if ACTIVATION_CHECKPOINTING_METHODS:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+
+
+def disable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """HF's activation (gradient) checkpointing off, under this release's name."""
+    if ACTIVATION_CHECKPOINTING_METHODS:
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
 
 
 def check_cache_position(
@@ -232,12 +255,15 @@ def generic_config_keys() -> frozenset[str]:
 
 
 __all__ = [
+    "ACTIVATION_CHECKPOINTING_METHODS",
     "CACHE_FIELD",
     "CACHE_UPDATE_TAKES_SLOTS",
     "CHECKPOINTING_PROPERTY",
     "MASK_ARGUMENTS_IGNORED",
     "check_cache_position",
     "check_mask_arguments",
+    "disable_activation_checkpointing",
+    "enable_activation_checkpointing",
     "generic_config_keys",
     "is_activation_checkpointing",
     "keeping_loaded_tensors",
