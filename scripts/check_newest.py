@@ -37,6 +37,7 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "transformers": (
         "test_hf.py",
         "test_hf_conformance.py",
+        "test_hf_generic.py",
         "test_loading.py",
         "test_convert.py",
         "test_smollm2.py",

@@ -25,6 +25,7 @@ import diffattn  # noqa: E402,F401  (registers the Auto classes)
 from diffattn import DiffTransformerLM, ModelConfig  # noqa: E402
 from diffattn.checkpoint import load_model, save_model  # noqa: E402
 from diffattn.hf import DiffAttnConfig, DiffAttnForCausalLM  # noqa: E402
+from diffattn.hf.compat import CACHE_FIELD  # noqa: E402
 
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
 VOCAB = 320
@@ -145,6 +146,30 @@ def test_save_pretrained_and_from_pretrained_restore_identical_logits(tmp_path, 
     torch.testing.assert_close(again(ids).logits, ref, rtol=0, atol=0)
 
 
+def test_from_pretrained_initialises_missing_tensors_and_keeps_every_loaded_one(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model("diff_v1", seed=6)
+    save_model(model, tmp_path)
+    weights = tmp_path / "model.safetensors"
+    stored = load_file(weights)
+    # one of the four λ vectors of a module whose other tensors are present, and a whole Linear
+    missing = {"model.layers.0.attn.lambda_q1", "model.layers.1.ffn.up_proj.weight"}
+    save_file({k: v for k, v in stored.items() if k not in missing}, weights, {"format": "pt"})
+    torch.manual_seed(123)
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert set(info["missing_keys"]) == missing
+    state = hf.state_dict()
+    for key, value in stored.items():
+        if key in missing:
+            assert torch.isfinite(state[key]).all() and not torch.equal(state[key], value)
+        else:
+            torch.testing.assert_close(state[key], value, rtol=0, atol=0)
+    up = state["model.layers.1.ffn.up_proj.weight"]
+    init_std = model.config.init_std
+    assert 0.8 * init_std < float(up.std()) < 1.2 * init_std
+
+
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_hf_generate_with_hf_caches_equals_greedy_reference(attention):
     model = tiny_model(attention, seed=1)
@@ -180,11 +205,33 @@ def test_hf_cache_objects_decode_like_full_forward(attention):
     ids = torch.randint(0, VOCAB, (2, 11))
     full = model(ids).logits
     for cache in (DynamicCache(), StaticCache(config=hf.config, max_cache_len=16)):
-        first = hf(ids[:, :6], past_key_values=cache, use_cache=True)
+        first = hf(ids[:, :6], use_cache=True, **{CACHE_FIELD: cache})
         steps = [first.logits]
         for t in range(6, 11):
-            steps.append(hf(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+            step = hf(ids[:, t : t + 1], use_cache=True, **{CACHE_FIELD: cache})
+            steps.append(step.logits)
         torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_under_its_pre_5_24_name_decodes_the_same_and_both_names_are_refused():
+    import warnings
+
+    hf = DiffAttnForCausalLM.from_diffattn(tiny_model("diff_v1", seed=3)).eval()
+    ids = torch.randint(0, VOCAB, (2, 5))
+    current, old = DynamicCache(), DynamicCache()
+    hf(ids[:, :4], use_cache=True, **{CACHE_FIELD: current})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf(ids[:, :4], use_cache=True, past_key_values=old)
+        step = hf(ids[:, 4:], use_cache=True, past_key_values=old)
+    future = [w for w in caught if issubclass(w.category, FutureWarning)]
+    assert len(future) == (2 if CACHE_FIELD == "cache" else 0)
+    assert all("`cache`" in str(w.message) for w in future)
+    expected = hf(ids[:, 4:], use_cache=True, **{CACHE_FIELD: current})
+    torch.testing.assert_close(step.logits, expected.logits, rtol=0, atol=0)
+    assert getattr(step, CACHE_FIELD) is old and old.get_seq_length() == 5
+    with pytest.raises(ValueError, match="not both"):
+        hf(ids, cache=DynamicCache(), past_key_values=DynamicCache())
 
 
 @pytest.mark.parametrize("attention", ["diff_v1", "diff_v2"])

@@ -10,6 +10,11 @@ import pytest
 import torch
 
 from diffattn.hf import DiffAttnConfig, DiffAttnForCausalLM
+from diffattn.hf.compat import (
+    disable_activation_checkpointing,
+    enable_activation_checkpointing,
+    is_activation_checkpointing,
+)
 from helpers import ATTENTIONS, tiny_config
 
 
@@ -106,12 +111,14 @@ def test_gradient_checkpointing_gives_the_same_gradients(attention):
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     assert model.supports_gradient_checkpointing
-    model.gradient_checkpointing_enable()
-    assert model.is_activation_checkpointing
+    enable_activation_checkpointing(model)
+    assert is_activation_checkpointing(model)
+    assert all(block.gradient_checkpointing for block in model.model.layers)
     model(input_ids=ids, labels=ids).loss.backward()
     for p, want in zip(model.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-7)
-    model.gradient_checkpointing_disable()
+    disable_activation_checkpointing(model)
+    assert not is_activation_checkpointing(model)
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)

@@ -10,6 +10,7 @@ import torch
 from diffattn.attention.registry import backend_names, get_backend
 from diffattn.generation import generate
 from diffattn.hf import DiffAttnConfig, DiffAttnForCausalLM
+from diffattn.hf.compat import enable_activation_checkpointing
 from helpers import ATTENTIONS, TINY_VOCAB, tiny_config
 
 
@@ -148,7 +149,7 @@ def test_blocks_are_hf_gradient_checkpointing_layers_and_checkpoint_once():
     model.train()
     model.model.init_weights()
     expected = torch.autograd.grad(model(input_ids=ids, labels=ids).loss, model.parameters())
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, {"use_reentrant": False})
     calls = []
     func = model.model.layers[0]._gradient_checkpointing_func
     model.model.layers[0]._gradient_checkpointing_func = lambda *a, **k: (

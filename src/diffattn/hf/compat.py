@@ -11,14 +11,17 @@ The supported range is stated in ``pyproject.toml`` and tested at both ends
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PretrainedConfig
+from transformers import Cache, GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 CACHE_FIELD = (
@@ -47,6 +50,89 @@ def resolve_cache_argument(cache: Any, past_key_values: Any) -> Any:
             stacklevel=3,
         )
     return past_key_values
+
+
+CACHE_UPDATE_TAKES_SLOTS = "cache_kwargs" in inspect.signature(Cache.update).parameters
+"""Whether this release's ``Cache.update`` must be told the slots to write (``cache_kwargs``
+with ``cache_position``). Before 5.24 a static cache layer does not count its tokens: without
+slots it writes every update at slot 0, and its ``get_seq_length`` counts the slots whose key
+is not all zeros. From 5.24 every layer keeps its own length and takes no slots."""
+
+
+def update_cache(
+    cache: Any, layer_index: int, keys: torch.Tensor, values: torch.Tensor, cached_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``keys``/``values`` of the new tokens into an HF ``Cache`` right after its
+    ``cached_tokens`` tokens, and return the layer's keys and values (all of them)."""
+    if CACHE_UPDATE_TAKES_SLOTS:
+        slots = torch.arange(cached_tokens, cached_tokens + keys.shape[-2], device=keys.device)
+        return cache.update(keys, values, layer_index, {"cache_position": slots})
+    return cache.update(keys, values, layer_index)
+
+
+@contextlib.contextmanager
+def keeping_loaded_tensors(module: torch.nn.Module) -> Iterator[bool]:
+    """Run a module's weight initialisation without touching what ``from_pretrained`` loaded.
+
+    HF marks each tensor it loaded (or will tie) with ``_is_hf_initialized`` and then calls
+    ``_init_weights`` on every module. From 5.24 it also marks a module whose own tensors are
+    all loaded, and skips it; before 5.24 it calls ``_init_weights`` anyway and relies on its
+    own ``transformers.initialization`` functions, which skip marked tensors. diffattn's
+    initialisers are its own, so in every release: yields ``False`` when all of ``module``'s
+    own parameters and buffers are loaded (nothing to initialise), else ``True``, and puts the
+    loaded values back afterwards.
+    """
+    own = [
+        t
+        for t in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
+        if t is not None
+    ]
+    loaded = [t for t in own if getattr(t, "_is_hf_initialized", False)]
+    if own and len(loaded) == len(own):
+        yield False
+        return
+    kept = [(t, t.detach().clone()) for t in loaded]
+    yield True
+    with torch.no_grad():
+        for tensor, value in kept:
+            tensor.copy_(value)
+
+
+CHECKPOINTING_PROPERTY = (
+    "is_activation_checkpointing"
+    if hasattr(PreTrainedModel, "is_activation_checkpointing")
+    else "is_gradient_checkpointing"
+)
+"""HF's property telling whether activation (gradient) checkpointing is on: renamed
+``is_activation_checkpointing`` in later 5.x releases (the old name then warns)."""
+
+ACTIVATION_CHECKPOINTING_METHODS = hasattr(PreTrainedModel, "activation_checkpointing_enable")
+"""Whether HF names its switches ``activation_checkpointing_enable``/``_disable`` (later 5.x
+releases; ``gradient_checkpointing_enable``/``_disable`` then warn) or only the old names."""
+
+
+def is_activation_checkpointing(model: PreTrainedModel) -> bool:
+    """Whether activation (gradient) checkpointing is on for ``model``, as HF reports it."""
+    return bool(getattr(model, CHECKPOINTING_PROPERTY))
+
+
+def enable_activation_checkpointing(
+    model: PreTrainedModel, checkpoint_kwargs: dict[str, Any] | None = None
+) -> None:
+    """HF's activation (gradient) checkpointing on, under this release's name;
+    ``checkpoint_kwargs`` go to ``torch.utils.checkpoint`` (e.g. ``use_reentrant``)."""
+    if ACTIVATION_CHECKPOINTING_METHODS:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+
+
+def disable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """HF's activation (gradient) checkpointing off, under this release's name."""
+    if ACTIVATION_CHECKPOINTING_METHODS:
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
 
 
 def check_cache_position(
@@ -169,10 +255,18 @@ def generic_config_keys() -> frozenset[str]:
 
 
 __all__ = [
+    "ACTIVATION_CHECKPOINTING_METHODS",
     "CACHE_FIELD",
+    "CACHE_UPDATE_TAKES_SLOTS",
+    "CHECKPOINTING_PROPERTY",
     "MASK_ARGUMENTS_IGNORED",
     "check_cache_position",
     "check_mask_arguments",
+    "disable_activation_checkpointing",
+    "enable_activation_checkpointing",
     "generic_config_keys",
+    "is_activation_checkpointing",
+    "keeping_loaded_tensors",
     "resolve_cache_argument",
+    "update_cache",
 ]

@@ -42,7 +42,9 @@ from diffattn.hf.compat import (
     CACHE_FIELD,
     check_cache_position,
     check_mask_arguments,
+    keeping_loaded_tensors,
     resolve_cache_argument,
+    update_cache,
 )
 from diffattn.hf.configuration import DiffAttnConfig
 from diffattn.hf.tp_plan import TP_PLAN
@@ -107,9 +109,14 @@ class HFCacheAdapter:
             max_shape = -1
         # A pre-allocated HF cache returns buffers of max_shape keys (zeros past the length).
         self.max_len = int(max_shape) if max_shape is not None and max_shape > 0 else None
+        self._cached: int | None = None
 
     def get_seq_length(self) -> int:
-        return int(self.cache.get_seq_length())
+        """The number of tokens the cache held when this forward began (read once per forward,
+        until :meth:`advance`: the new tokens go right after them in every layer)."""
+        if self._cached is None:
+            self._cached = int(self.cache.get_seq_length())
+        return self._cached
 
     def update(
         self, layer_index: int, k: torch.Tensor, v: torch.Tensor
@@ -118,7 +125,7 @@ class HFCacheAdapter:
         if parts > 1:  # DIFF V1: one width-2d value head -> two width-d heads, exactly
             b, hv, n, w = v.shape
             v = v.reshape(b, hv, n, parts, w // parts).transpose(2, 3).reshape(b, hv * parts, n, -1)
-        keys, values = self.cache.update(k, v, layer_index)
+        keys, values = update_cache(self.cache, layer_index, k, v, self.get_seq_length())
         if parts > 1:
             b, h, n, w = values.shape
             values = values.reshape(b, h // parts, parts, n, w).transpose(2, 3)
@@ -126,7 +133,9 @@ class HFCacheAdapter:
         return keys, values
 
     def advance(self) -> None:
-        """HF caches track their own length."""
+        """The forward is done: the next one reads the (grown) length again. HF caches track
+        their own length."""
+        self._cached = None
 
 
 class CheckpointedDecoderBlock(GradientCheckpointingLayer, DecoderBlock):
@@ -160,9 +169,13 @@ class DiffAttnPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        """Initialise ``module``'s own tensors as :class:`DiffTransformerLM` does, except those
+        ``from_pretrained`` loaded (:func:`~diffattn.hf.compat.keeping_loaded_tensors`)."""
         lm = getattr(self, "model", None)
         if isinstance(lm, DiffTransformerLM):
-            lm.init_module(module)
+            with keeping_loaded_tensors(module) as needed:
+                if needed:
+                    lm.init_module(module)
 
 
 class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
