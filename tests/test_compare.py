@@ -197,7 +197,11 @@ def test_scaled_down_compare_measures_and_judges_every_model(tmp_path, one_threa
     assert {c["key"] for c in claims} >= {"val_loss", "ar_hit", "needle_acc", "noise_share"}
     for c in claims:
         assert len(c["differences"]) == 2
-        assert c["verdict"] in ("supported", "not supported", "inconclusive")
+        if c["key"] in ("recall_acc", "needle_acc", "needle_6_2", "answer_share", "noise_share"):
+            # gated on the baseline's accuracy, at the floor in a run this short
+            assert c["verdict"] == "uninformative"
+        else:
+            assert c["verdict"] in ("supported", "not supported", "inconclusive")
     loss_claim = next(c for c in claims if c["key"] == "val_loss" and c["model"] == "diff_v1")
     by = {(r.attention, r.seed): r.evals["val_loss"] for r in result.runs}
     assert loss_claim["differences"] == pytest.approx(

@@ -102,3 +102,34 @@ def test_the_uninformative_rule_is_stated_with_gated_claims():
         "baseline": [{"needle": 0.1}, {"needle": 0.2}],
         "diff_v1": [{"needle": 0.1}, {"needle": 0.2}],
     }))  # fmt: skip
+
+
+def test_language_modelling_retrieval_rows_are_uninformative_at_the_floor():
+    """The language-modelling part's recall, needle and attention rows are gated on the
+    baseline's accuracy: at the floor they are not judged, off it they are."""
+    from diffattn.compare.claims import PAPER_CLAIMS
+
+    gated = {c.key: c.gate for c in PAPER_CLAIMS if c.gate}
+    assert gated == {
+        "recall_acc": "recall_acc",
+        "needle_acc": "needle_acc",
+        "needle_6_2": "needle_6_2",
+        "answer_share": "needle_acc",
+        "noise_share": "needle_acc",
+    }
+
+    def results(accuracy, share):
+        keys = ("recall_acc", "needle_acc", "needle_6_2")
+        return [{**dict.fromkeys(keys, accuracy + i / 100), "answer_share": share + i / 100,
+                 "noise_share": 0.5 - share - i / 100, "val_loss": 2.0 + i / 10}
+                for i in range(3)]  # fmt: skip
+
+    floor = evaluate_claims(
+        PAPER_CLAIMS, {"baseline": results(0.01, 0.1), "diff_v1": results(0.3, 0.4)}
+    )
+    verdicts = {v.claim.key: v.verdict for v in floor}
+    assert {verdicts[k] for k in gated} == {"uninformative"}
+    off_floor = evaluate_claims(
+        PAPER_CLAIMS, {"baseline": results(0.2, 0.1), "diff_v1": results(0.5, 0.4)}
+    )
+    assert {v.verdict for v in off_floor if v.claim.key in gated} == {"supported"}
