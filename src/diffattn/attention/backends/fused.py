@@ -292,13 +292,14 @@ class _FusedDiffV1(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q1, q2, k1, k2, v = ctx.saved_tensors[:5]
+        saved = ctx.saved_tensors  # read once: checkpointing's unpack hooks allow one read
+        q1, q2, k1, k2, v = saved[:5]
         n_kv, scale, n = k1.shape[1], ctx.scale, q1.shape[2]
         k1f, k2f, vf = _keys_and_values(ctx.compiled, k1, k2, v)
         if ctx.compiled:
             rows = (_rows_of(t, n_kv) for t in (grad_out.float(), q1.float(), q2.float()))
             dq1, dq2, dk1, dk2, dv, dlam = cpu_kernel.backward(
-                (*rows, k1f, k2f, vf, *ctx.saved_tensors[5:]), ctx.lam_value, scale,
+                (*rows, k1f, k2f, vf, *saved[5:]), ctx.lam_value, scale,
                 q1.shape[1] // n_kv, int(ctx.mask.query_offset), ctx.padding,
             )  # fmt: skip
             dq1, dq2 = _unrows(dq1, n), _unrows(dq2, n)
