@@ -539,12 +539,20 @@ def read_hf_dataset(
         parsed.name, parsed.config, split=parsed.split, streaming=True, **kwargs
     )
     columns = getattr(dataset, "column_names", None)
-    if columns is not None and text_field not in columns:
-        raise ValueError(
+
+    def missing(columns: Any) -> ValueError:
+        return ValueError(
             f"dataset 'hf:{parsed.name}' has no column {text_field!r} (columns: {columns}); "
             "set text_field to the column that holds the text"
         )
+
+    if columns is not None and text_field not in columns:
+        raise missing(columns)
     for row, record in enumerate(dataset):
+        # a streaming dataset may not know its columns before the first row (datasets < 3):
+        # a column that the first row lacks is missing, never a run of silently skipped rows
+        if row == 0 and columns is None and text_field not in record:
+            raise missing(sorted(record))
         value = record.get(text_field)
         if value is None:
             continue
