@@ -123,7 +123,9 @@ def test_shutdown_frees_the_group_and_joins_its_threads(monkeypatch):
     try:
         total = distributed.all_reduce_sum(torch.ones(3))  # a world of 1: a no-op
         torch.distributed.all_reduce(total)  # the group's own worker threads run this one
-        assert set(GLOO_THREADS) <= set(_thread_names())
+        # the worker threads run; the transport's own thread is "gloo_tcp_loop" or, on the
+        # libuv transport, an unnamed "uv" one, so only the worker's name is required here
+        assert "pt_gloo_runloop" in _thread_names()
     finally:
         freed = distributed.shutdown()
     assert freed

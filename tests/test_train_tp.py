@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ from diffattn.train import TrainConfig, train
 from diffattn.train.config import ConfigError, check_runtime
 from diffattn.train.distributed import DistEnv
 from diffattn.train.tensor_parallel import kv_groups, tp_plan, tp_problem
-from train_helpers import REPO, free_port, subprocess_env, tiny_recipe, torchrun, write_recipe
+from train_helpers import REPO, tiny_recipe, torchrun, torchrun_target, write_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,20 +32,7 @@ ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
 
 
 def _run_worker(script: str, args: list[str], nproc: int = 2) -> list[dict]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--nnodes=1",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        str(REPO / "tests" / script),
-        *args,
-    ]
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, env=subprocess_env()
-    )
+    result = torchrun_target([str(REPO / "tests" / script), *args], nproc, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 

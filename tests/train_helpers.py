@@ -79,6 +79,14 @@ def subprocess_env() -> dict[str, str]:
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node nproc -m diffattn.train ARGS`` on 127.0.0.1."""
+    return torchrun_target(["-m", "diffattn.train", *args], nproc, timeout)
+
+
+def torchrun_target(
+    target: list[str], nproc: int = 2, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc TARGET`` (a script and its arguments, or ``-m``
+    MODULE ...) on 127.0.0.1, with a free port and the test environment."""
     command = [
         sys.executable,
         "-m",
@@ -87,9 +95,7 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 240) -> subproces
         "--nnodes=1",
         "--master-addr=127.0.0.1",
         f"--master-port={free_port()}",
-        "-m",
-        "diffattn.train",
-        *args,
+        *target,
     ]
     return subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env=subprocess_env()
