@@ -307,7 +307,7 @@ def test_cache_position_steps_equal_the_full_forward_and_mix_with_appends(attent
     assert cache.get_seq_length() == 9
     real = mask.bool()[:, 4:]
     assert _rel(torch.stack(pieces, 1)[real], full[:, 4:][real]) <= 1e-5
-    with pytest.raises(ValueError, match="needs a StaticCache"):
+    with pytest.raises(ValueError, match="needs a pre-allocated cache"):
         model(ids[:, :1], use_cache=True, cache_position=torch.tensor([0]))
     with pytest.raises(ValueError, match="cover the static buffer"):
         model(

@@ -180,3 +180,43 @@ def test_unknown_attn_implementation_gives_hfs_own_error():
         model.set_attn_implementation("foo")
     assert str(ours.value).split(". The only")[0] == str(theirs.value).split(". The only")[0]
     assert model.config._attn_implementation != "foo"
+
+
+def _counting_backend(graphs: list):
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    return backend
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_static_cache_generate_compiles_fullgraph_and_equals_eager(attention):
+    """HF's ``generate`` compiles the decode step (``fullgraph=True``) with a static cache and left
+    padding: no graph break, one graph for every step, the same tokens as eager decoding."""
+    from transformers import CompileConfig
+
+    assert DiffAttnForCausalLM._can_compile_fullgraph
+    model = _hf(attention)
+    ids, mask = _left_padded()
+    common = dict(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=7,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation="static",
+    )
+    eager = model.generate(**common, disable_compile=True)
+    graphs: list = []
+    config = CompileConfig(
+        fullgraph=True, dynamic=False, backend=_counting_backend(graphs), mode=None
+    )
+    config._compile_all_devices = True  # HF compiles on accelerators only unless told
+    torch._dynamo.reset()
+    try:
+        compiled = model.generate(**common, compile_config=config)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1, f"{len(graphs)} graphs: the decode step was re-traced"
+    assert torch.equal(compiled, eager)

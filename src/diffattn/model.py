@@ -199,8 +199,10 @@ class DiffTransformerLM(nn.Module):
         if cache_position is not None:
             # Fixed shapes into a static buffer: slots come from a tensor and the mask spans
             # the buffer, so no shape or Python int changes from one decode step to the next.
-            if not isinstance(cache, StaticCache):
-                raise ValueError("cache_position needs a StaticCache as past_key_values")
+            if getattr(cache, "max_len", None) is None or not hasattr(cache, "set_cache_position"):
+                raise ValueError(
+                    "cache_position needs a pre-allocated cache (a StaticCache) as past_key_values"
+                )
             if cache_position.shape != (n,) or cache_position.dtype != torch.long:
                 raise ValueError(
                     f"cache_position must be an int64 tensor of shape ({n},), one slot per "
@@ -288,11 +290,13 @@ class DiffTransformerLM(nn.Module):
             past_key_values: a :class:`~diffattn.cache.DynamicCache` or
                 :class:`~diffattn.cache.StaticCache` holding earlier tokens; it is updated.
             use_cache: start a :class:`~diffattn.cache.DynamicCache` when none is given.
-            cache_position: optional ``(N,)`` int64 tensor of consecutive
-                :class:`~diffattn.cache.StaticCache` slots for the new tokens (fixed-shape
-                decoding, e.g. a compiled decode step). ``attention_mask`` is then ``None`` or
-                ``(B, cache.max_len)``, covering the whole buffer (slots after the new tokens
-                are ignored), and nothing is read back from the device.
+            cache_position: optional ``(N,)`` int64 tensor of consecutive slots of a
+                pre-allocated cache (:class:`~diffattn.cache.StaticCache`, or any cache with
+                ``max_len`` and ``set_cache_position``, such as the Hugging Face adapter's) for
+                the new tokens (fixed-shape decoding, e.g. a compiled decode step).
+                ``attention_mask`` is then ``None`` or ``(B, cache.max_len)``, covering the
+                whole buffer (slots after the new tokens are ignored), and nothing is read back
+                from the device.
             inputs_embeds: ``(B, N, d_model)`` instead of ``input_ids`` (soft prompts).
             position_ids: optional ``(B or 1, N)`` RoPE positions; by default they count the
                 real tokens (2-D masks) or run on from the cache length.

@@ -60,12 +60,20 @@ is not all zeros. From 5.24 every layer keeps its own length and takes no slots.
 
 
 def update_cache(
-    cache: Any, layer_index: int, keys: torch.Tensor, values: torch.Tensor, cached_tokens: int
+    cache: Any,
+    layer_index: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cached_tokens: int | None = None,
+    slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write ``keys``/``values`` of the new tokens into an HF ``Cache`` right after its
-    ``cached_tokens`` tokens, and return the layer's keys and values (all of them)."""
+    ``cached_tokens`` tokens (or at the tensor ``slots``, which are that same run: the
+    fixed-shape path reads no length from the device), and return the layer's keys and values
+    (all of them). From 5.24 the cache places them after its own length."""
     if CACHE_UPDATE_TAKES_SLOTS:
-        slots = torch.arange(cached_tokens, cached_tokens + keys.shape[-2], device=keys.device)
+        if slots is None:
+            slots = torch.arange(cached_tokens, cached_tokens + keys.shape[-2], device=keys.device)
         return cache.update(keys, values, layer_index, {"cache_position": slots})
     return cache.update(keys, values, layer_index)
 

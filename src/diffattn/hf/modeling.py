@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -110,6 +111,28 @@ class HFCacheAdapter:
         # A pre-allocated HF cache returns buffers of max_shape keys (zeros past the length).
         self.max_len = int(max_shape) if max_shape is not None and max_shape > 0 else None
         self._cached: int | None = None
+        self._slots: torch.Tensor | None = None
+
+    def slots(
+        self, new_tokens: int, cache_position: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor:
+        """The slots of a pre-allocated cache that this forward's ``new_tokens`` go to, as a
+        tensor: ``cache_position`` when given (releases before 5.24 pass it; it must be the run
+        after the cached tokens), else the run after the cache's length. From 5.24 a static
+        cache keeps its length on the device; it is used as a tensor, so nothing is read back
+        and a compiled step has no data-dependent guard."""
+        if cache_position is not None:
+            if not torch.compiler.is_compiling():
+                check_cache_position(cache_position, self.get_seq_length(), new_tokens)
+            return cache_position.to(device=device, dtype=torch.long)
+        start = self.cache.get_seq_length()
+        if isinstance(start, torch.Tensor):
+            return torch.arange(new_tokens, device=device) + start.to(device=device)
+        return torch.arange(start, start + new_tokens, device=device)
+
+    def set_cache_position(self, slots: torch.Tensor) -> None:
+        """The next :meth:`update` calls write at ``slots`` (the model's fixed-shape path)."""
+        self._slots = slots
 
     def get_seq_length(self) -> int:
         """The number of tokens the cache held when this forward began (read once per forward,
@@ -125,7 +148,10 @@ class HFCacheAdapter:
         if parts > 1:  # DIFF V1: one width-2d value head -> two width-d heads, exactly
             b, hv, n, w = v.shape
             v = v.reshape(b, hv, n, parts, w // parts).transpose(2, 3).reshape(b, hv * parts, n, -1)
-        keys, values = update_cache(self.cache, layer_index, k, v, self.get_seq_length())
+        if self._slots is not None:
+            keys, values = update_cache(self.cache, layer_index, k, v, slots=self._slots)
+        else:
+            keys, values = update_cache(self.cache, layer_index, k, v, self.get_seq_length())
         if parts > 1:
             b, h, n, w = values.shape
             values = values.reshape(b, h // parts, parts, n, w).transpose(2, 3)
@@ -136,6 +162,21 @@ class HFCacheAdapter:
         """The forward is done: the next one reads the (grown) length again. HF caches track
         their own length."""
         self._cached = None
+        self._slots = None
+
+
+def spanning_mask(attention_mask: torch.Tensor, max_len: int) -> torch.Tensor:
+    """A 2-D padding mask ``(B, cached + new)`` widened to a pre-allocated cache's
+    ``(B, max_len)`` (the slots after the new tokens are zeros, which causality hides anyway):
+    the same shape at every decode step, so a compiled step is not re-traced."""
+    width = attention_mask.shape[1]
+    if width > max_len:
+        raise ValueError(
+            f"attention_mask covers {width} tokens, more than the cache holds (max {max_len})"
+        )
+    if width == max_len:
+        return attention_mask
+    return F.pad(attention_mask, (0, max_len - width), value=0)
 
 
 class CheckpointedDecoderBlock(GradientCheckpointingLayer, DecoderBlock):
@@ -164,6 +205,7 @@ class DiffAttnPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _supports_sdpa = True
     _supports_flash_attn = True
+    _can_compile_fullgraph = True  # a static-cache step is one graph (tests/test_hf_generic.py)
     _no_split_modules = ["CheckpointedDecoderBlock", "DecoderBlock"]  # noqa: RUF012
     _skip_keys_device_placement = ["cache", "past_key_values"]  # noqa: RUF012
 
@@ -230,6 +272,11 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
         (:func:`~diffattn.hf.compat.check_mask_arguments`): one this model does not know is an
         error, never silently dropped."""
         check_mask_arguments(arguments)
+        cache = arguments.get("cache", arguments.get("past_key_values"))
+        if attention_mask is not None and attention_mask.dim() == 2 and cache is not None:
+            max_len = HFCacheAdapter(cache).max_len
+            if max_len is not None:  # pre-allocated: one mask shape for every step
+                return spanning_mask(attention_mask, max_len)
         return attention_mask
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -303,8 +350,27 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             output_hidden_states = getattr(self.config, "output_hidden_states", False)
         self._sync_backend()
         adapter = HFCacheAdapter(cache) if cache is not None else None
-        if cache_position is not None:
-            new_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        new_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        slots = None
+        if (
+            adapter is not None
+            and adapter.max_len is not None
+            and (attention_mask is None or attention_mask.dim() == 2)
+        ):
+            # A pre-allocated cache (HF's StaticCache): fixed shapes, slots as a tensor and a
+            # mask spanning the buffer, so the step compiles with fullgraph=True.
+            slots = adapter.slots(new_tokens, cache_position, self.model.embed_tokens.weight.device)
+            if attention_mask is not None:
+                if attention_mask.shape[1] != adapter.max_len and not torch.compiler.is_compiling():
+                    expected = adapter.get_seq_length() + new_tokens
+                    if attention_mask.shape[1] != expected:
+                        raise ValueError(
+                            f"attention_mask shape {tuple(attention_mask.shape)} does not match "
+                            f"(batch, cached + new tokens) = {(attention_mask.shape[0], expected)} "
+                            f"nor the static cache's (batch, {adapter.max_len})"
+                        )
+                attention_mask = spanning_mask(attention_mask, adapter.max_len)
+        elif cache_position is not None:
             cached = adapter.get_seq_length() if adapter is not None else 0
             check_cache_position(cache_position, cached, new_tokens)
         out = self.model(
@@ -314,6 +380,7 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             output_attentions=bool(output_attentions),
             output_hidden_states=bool(output_hidden_states),
             past_key_values=adapter,
+            cache_position=slots,
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
         )
