@@ -32,14 +32,61 @@ def local_share(value: torch.Tensor | None) -> torch.Tensor | None:
     return replicated.to_local(grad_placements=[Partial()] * mesh.ndim)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich, 2019): ``x / sqrt(mean(x²) + eps) * weight``, in fp32."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich, 2019): ``x / sqrt(mean(x²) + eps) * weight``, in fp32, by
+    autograd through plain ops (which saves ``x`` and the normalised ``x̂`` for backward)."""
     dtype = x.dtype
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         y = y * weight.float()
     return y.to(dtype)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """:func:`rms_norm_reference` with a hand-written backward that saves only ``x`` and the
+    per-row ``r = 1/sqrt(mean(x²) + eps)``, recomputing ``x̂ = x·r`` in backward. With
+    ``y = x̂ ∘ w`` and ``ĝ = g ∘ w``: ``∂L/∂w = Σ_rows g ∘ x̂`` and
+    ``∂L/∂x = r · (ĝ − x̂ · mean(ĝ ∘ x̂))``. A training step then holds no normalised copy
+    per norm: ``x`` is usually kept anyway (the residual stream, or DIFF V1's attention output
+    before its head norm), so each norm costs one value per row instead of a full activation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        y = x32 * r
+        if weight is not None:
+            y = y * weight.float()
+        ctx.save_for_backward(x, r, weight)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, r, weight = ctx.saved_tensors  # read once (activation checkpointing's hooks)
+        x_hat = x.float() * r
+        g = grad.float()
+        g_hat = g * weight.float() if weight is not None else g
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (r * (g_hat - x_hat * (g_hat * x_hat).mean(-1, keepdim=True))).to(x.dtype)
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_w = (g * x_hat).reshape(-1, x_hat.shape[-1]).sum(0).to(weight.dtype)
+        return grad_x, grad_w, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich, 2019): ``x / sqrt(mean(x²) + eps) * weight``, in fp32.
+
+    When a gradient is needed, the backward of :class:`_RMSNormFunction` (same values, less
+    memory held for backward); without one, or on DTensors (tensor parallelism), the plain
+    ops of :func:`rms_norm_reference`."""
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad)
+    )
+    if not needs_grad or _is_dtensor(x) or (weight is not None and _is_dtensor(weight)):
+        return rms_norm_reference(x, weight, eps)
+    return _RMSNormFunction.apply(x, weight, eps)
 
 
 class RMSNorm(nn.Module):
