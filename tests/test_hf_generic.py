@@ -220,3 +220,62 @@ def test_static_cache_generate_compiles_fullgraph_and_equals_eager(attention):
         torch._dynamo.reset()
     assert len(graphs) == 1, f"{len(graphs)} graphs: the decode step was re-traced"
     assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_generate_modes_agree_with_and_without_cache(attention):
+    """The invariants of HF's generation tests: greedy, seeded sampling and beam search give the
+    same sequences with the KV cache as without it, and assisted decoding equals greedy."""
+    model = _hf(attention, seed=7)
+    ids, mask = _left_padded(batch=2, n=6, seed=9)
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    greedy = model.generate(**common, do_sample=False)
+    assert torch.equal(model.generate(**common, do_sample=False, use_cache=False), greedy)
+    sampled = []
+    for use_cache in (True, False):
+        torch.manual_seed(123)
+        sampled.append(model.generate(**common, do_sample=True, top_k=8, use_cache=use_cache))
+    assert torch.equal(sampled[0], sampled[1])
+    beams = [
+        model.generate(
+            **common, num_beams=3, num_return_sequences=2, do_sample=False, use_cache=use_cache
+        )
+        for use_cache in (True, False)
+    ]
+    assert beams[0].shape == (4, ids.shape[1] + 6) and torch.equal(beams[0], beams[1])
+    assistant = _hf(attention, seed=8)  # a different model drafts; the target decides
+    row = dict(common, input_ids=ids[1:], attention_mask=mask[1:])  # HF: one row, left-padded
+    assisted = model.generate(**row, do_sample=False, assistant_model=assistant)
+    assert torch.equal(assisted, greedy[1:])
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_generate_continues_from_a_returned_cache(attention):
+    from diffattn.hf.compat import CACHE_FIELD
+
+    model = _hf(attention, seed=5)
+    ids = torch.randint(3, TINY_VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    greedy = {"do_sample": False, "pad_token_id": 0}
+    whole = model.generate(input_ids=ids, max_new_tokens=7, **greedy)
+    first = model.generate(input_ids=ids, max_new_tokens=4, return_dict_in_generate=True, **greedy)
+    cache = getattr(first, CACHE_FIELD)
+    assert cache is not None and cache.get_seq_length() == ids.shape[1] + 3
+    rest = model.generate(
+        input_ids=first.sequences, max_new_tokens=3, **greedy, **{CACHE_FIELD: cache}
+    )
+    assert torch.equal(rest, whole)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_logits_to_keep_and_explicit_position_ids(attention):
+    model = _hf(attention, seed=2)
+    ids = torch.randint(3, TINY_VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    full = model(ids, use_cache=False).logits
+    assert torch.equal(model(ids, use_cache=False, logits_to_keep=1).logits, full[:, -1:])
+    keep = torch.tensor([0, 4, 8])
+    assert torch.equal(model(ids, use_cache=False, logits_to_keep=keep).logits, full[:, keep])
+    default = torch.arange(9).expand(2, 9)
+    assert torch.equal(model(ids, use_cache=False, position_ids=default).logits, full)
+    shifted = model(ids, use_cache=False, position_ids=default + 5).logits
+    # RoPE: a shift of every position changes nothing but rounding in attention scores
+    assert torch.allclose(shifted, full, atol=1e-4) and not torch.equal(shifted, full)

@@ -28,10 +28,11 @@ def plot_sweep(records: list[dict[str, Any]], path: Path) -> Path:
     if not records:
         raise ValueError("no records to plot")
     modes = [m for m in TITLES if any(r["mode"] == m for r in records)]
+    colors = _colors(records)
     fig, axes = plt.subplots(2, len(modes), figsize=(5 * len(modes), 8), squeeze=False)
     first = records[0]
     for ax, mode in zip(axes[1], modes, strict=True):
-        _ratio_panel(ax, [r for r in records if r["mode"] == mode], mode)
+        _ratio_panel(ax, [r for r in records if r["mode"] == mode], mode, colors)
     for ax, mode in zip(axes[0], modes, strict=True):
         rows = [r for r in records if r["mode"] == mode]
         names = list(dict.fromkeys(r["attention"] for r in rows))
@@ -41,7 +42,7 @@ def plot_sweep(records: list[dict[str, Any]], path: Path) -> Path:
             )
             style = "-" if name in OURS else ":" if name in DEX_ROWS else "--"
             xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, style, marker="o", label=name)
+            ax.plot(xs, ys, style, marker="o", label=name, color=colors[name])
         ax.set_xscale("log", base=2)
         lengths = sorted({r["seq_len"] for r in rows})
         ax.set_xticks(lengths, [str(n) for n in lengths])
@@ -60,7 +61,13 @@ def plot_sweep(records: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def _ratio_panel(ax, rows: list[dict[str, Any]], mode: str) -> None:
+def _colors(records: list[dict[str, Any]]) -> dict[str, str]:
+    """One colour per row name, the same in every panel."""
+    names = dict.fromkeys(r["attention"] for r in records)
+    return {name: f"C{i % 10}" for i, name in enumerate(names)}
+
+
+def _ratio_panel(ax, rows: list[dict[str, Any]], mode: str, colors: dict[str, str]) -> None:
     """Paired throughput ratio of every row to its reference row against length (the
     reference rows themselves, at 1, are left out; a dotted line marks 1)."""
     names = [n for n in dict.fromkeys(r["attention"] for r in rows) if n not in REFERENCES]
@@ -70,7 +77,8 @@ def _ratio_panel(ax, rows: list[dict[str, Any]], mode: str) -> None:
         )
         style = "-" if name in OURS else ":" if name in DEX_ROWS else "--"
         xs, ys = zip(*points, strict=True)
-        ax.plot(xs, ys, style, marker="o", label=f"{name} / {_reference_of(rows, name)}")
+        label = f"{name} / {_reference_of(rows, name)}"
+        ax.plot(xs, ys, style, marker="o", label=label, color=colors[name])
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xscale("log", base=2)
     lengths = sorted({r["seq_len"] for r in rows})
