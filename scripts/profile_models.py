@@ -20,50 +20,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import diffattn.layers as layers
-from diffattn.bench.models import our_decode
-from diffattn.bench.throughput import matched_v2
-from diffattn.config import ModelConfig
-from diffattn.model import DiffTransformerLM
-
-
-def build(args: argparse.Namespace) -> dict[str, DiffTransformerLM]:
-    longest = args.seq_len + (args.new_tokens if args.mode == "decode" else 0)
-    base = ModelConfig(
-        vocab_size=args.vocab,
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.d_model // 64,
-        n_kv_heads=args.kv_heads,
-        max_seq_len=longest,
-        attention="baseline",
-        backend=args.backend,
-    )
-    configs = {
-        "baseline": base,
-        "diff_v1": base.replace(attention="diff_v1"),
-        "diff_v2": matched_v2(base),
-    }
-    models = {}
-    for name in args.models.split(","):
-        if name not in configs:
-            raise SystemExit(f"error: --models: unknown {name!r} (baseline, diff_v1, diff_v2)")
-        torch.manual_seed(0)
-        models[name] = DiffTransformerLM(configs[name])
-    return models
-
-
-def runner(model: DiffTransformerLM, args: argparse.Namespace, ids: torch.Tensor):
-    """``prepare()``: does the untimed part (decode's prefill) and returns what to profile."""
-    if args.mode == "decode":
-        prepare = our_decode(model, "static", compiled=False)
-        return lambda: prepare(ids, args.new_tokens)
-
-    def step() -> None:
-        model.train()
-        model(ids, labels=ids).loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    return lambda: step
+from diffattn.bench.models import our_candidates
+from diffattn.bench.throughput import build_configs, runner
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,15 +39,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=16, help="table rows per model")
     parser.add_argument("--by-shape", action="store_true", help="group ops by input shapes")
     parser.add_argument("--rms-norm", choices=("fast", "reference"), default="fast")
+    # what diffattn.bench.throughput.build_configs reads besides the options above
+    parser.set_defaults(sweep=None, plot=None, prompt_len=None, mem_seq_len=None, device="cpu")
     args = parser.parse_args(argv)
     if args.rms_norm == "reference":
         layers.rms_norm = layers.rms_norm_reference
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (1, args.seq_len), generator=generator)
-    models = build(args)
+    configs = build_configs(args)
+    names = args.models.split(",")
+    unknown = sorted(set(names) - set(configs))
+    if unknown:
+        raise SystemExit(f"error: --models: unknown {', '.join(unknown)} ({', '.join(configs)})")
+    chosen = {name: configs[name] for name in names}
     print(f"{args.mode}, N={args.seq_len}, {torch.get_num_threads()} threads, {args.steps} runs")
-    for name, model in models.items():
-        prepare = runner(model, args, ids)
+    for candidate in our_candidates(chosen, "cpu", torch.float32):
+        prepare = runner(candidate, ids, args.mode, args.new_tokens)
         prepare()()  # warm-up: the compiled kernel's build, allocator state
         runs = [prepare() for _ in range(args.steps)] if args.mode == "decode" else None
         with profile(activities=[ProfilerActivity.CPU], record_shapes=args.by_shape) as prof:
@@ -97,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 (runs[i] if runs is not None else prepare())()
         events = prof.key_averages(group_by_input_shape=args.by_shape)
         total = sum(e.self_cpu_time_total for e in events) / 1e3
-        print(f"===== {name}: self CPU total {total:.1f} ms")
+        print(f"===== {candidate.name}: self CPU total {total:.1f} ms")
         print(
             events.table(
                 sort_by="self_cpu_time_total",

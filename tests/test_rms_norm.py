@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
-from diffattn.config import ModelConfig
 from diffattn.layers import RMSNorm, _RMSNormFunction, rms_norm, rms_norm_reference
 from diffattn.model import DiffTransformerLM
+from helpers import TINY_VOCAB, tiny_config
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -135,16 +135,8 @@ def test_model_gradients_as_accurate_as_autograds(monkeypatch):
     cancels λ's scale up to eps: its fp32 rounding is ~1e-4 relative on either path.)"""
     import diffattn.layers as layers
 
-    config = ModelConfig(
-        vocab_size=97,
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        max_seq_len=32,
-        attention="diff_v1",
-        backend="reference",
-    )
-    ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(1))
+    config = tiny_config("diff_v1", backend="reference")
+    ids = torch.randint(0, TINY_VOCAB, (2, 13), generator=torch.Generator().manual_seed(1))
 
     def grads(dtype=torch.float32):
         torch.manual_seed(0)

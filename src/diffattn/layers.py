@@ -32,15 +32,23 @@ def local_share(value: torch.Tensor | None) -> torch.Tensor | None:
     return replicated.to_local(grad_placements=[Partial()] * mesh.ndim)
 
 
+def _normalise(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm's forward in fp32: the output in ``x``'s dtype and ``r = 1/sqrt(mean(x²) + eps)``
+    per row."""
+    x32 = x.float()
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    y = x32 * r
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype), r
+
+
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich, 2019): ``x / sqrt(mean(x²) + eps) * weight``, in fp32, by
     autograd through plain ops (which saves ``x`` and the normalised ``x̂`` for backward)."""
-    dtype = x.dtype
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.float()
-    return y.to(dtype)
+    return _normalise(x, weight, eps)[0]
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -53,13 +61,9 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-        x32 = x.float()
-        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        y = x32 * r
-        if weight is not None:
-            y = y * weight.float()
+        y, r = _normalise(x, weight, eps)
         ctx.save_for_backward(x, r, weight)
-        return y.to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -76,17 +80,13 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm (Zhang & Sennrich, 2019): ``x / sqrt(mean(x²) + eps) * weight``, in fp32.
-
-    When a gradient is needed, the backward of :class:`_RMSNormFunction` (same values, less
-    memory held for backward); without one, or on DTensors (tensor parallelism), the plain
-    ops of :func:`rms_norm_reference`."""
+    """RMSNorm (Zhang & Sennrich, 2019): ``x / sqrt(mean(x²) + eps) * weight``, in fp32, on
+    plain tensors. When a gradient is needed, the backward of :class:`_RMSNormFunction` (same
+    values, less memory held for backward); without one, the plain ops."""
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or (weight is not None and weight.requires_grad)
     )
-    if not needs_grad or _is_dtensor(x) or (weight is not None and _is_dtensor(weight)):
-        return rms_norm_reference(x, weight, eps)
-    return _RMSNormFunction.apply(x, weight, eps)
+    return _RMSNormFunction.apply(x, weight, eps) if needs_grad else _normalise(x, weight, eps)[0]
 
 
 class RMSNorm(nn.Module):
@@ -104,10 +104,12 @@ class RMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A DTensor input is the tensor-parallel plan's replicated stream; a plain input under
-        # a DTensor weight is a rank's local heads (:func:`local_share`).
-        weight = self.weight if _is_dtensor(x) else local_share(self.weight)
-        return rms_norm(x, weight, self.eps)
+        # A DTensor input is the tensor-parallel plan's replicated stream (DTensor's own ops,
+        # through autograd); a plain input under a DTensor weight is a rank's local heads
+        # (:func:`local_share`).
+        if _is_dtensor(x):
+            return rms_norm_reference(x, self.weight, self.eps)
+        return rms_norm(x, local_share(self.weight), self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, learnable={self.weight is not None}"
