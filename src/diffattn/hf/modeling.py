@@ -118,14 +118,15 @@ class HFCacheAdapter:
     ) -> torch.Tensor:
         """The slots of a pre-allocated cache that this forward's ``new_tokens`` go to, as a
         tensor: ``cache_position`` when given (releases before 5.24 pass it; it must be the run
-        after the cached tokens), else the run after the cache's length. From 5.24 a static
-        cache keeps its length on the device; it is used as a tensor, so nothing is read back
-        and a compiled step has no data-dependent guard."""
+        after the cached tokens), else the run after the cache's length."""
         if cache_position is not None:
             if not torch.compiler.is_compiling():
                 check_cache_position(cache_position, self.get_seq_length(), new_tokens)
             return cache_position.to(device=device, dtype=torch.long)
-        start = self.cache.get_seq_length()
+        # eagerly the length is read once per forward (the mask check reuses it); traced, it
+        # stays whatever the cache keeps (5.24: a device tensor, so no guard on its value)
+        tracing = torch.compiler.is_compiling()
+        start = self.cache.get_seq_length() if tracing else self.get_seq_length()
         if isinstance(start, torch.Tensor):
             return torch.arange(new_tokens, device=device) + start.to(device=device)
         return torch.arange(start, start + new_tokens, device=device)
