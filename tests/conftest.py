@@ -5,7 +5,33 @@ from __future__ import annotations
 import pytest
 import torch
 
+from extras import skip_reason
 from helpers import ATTENTIONS, tiny_diffattn, tiny_hf
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--only-extras",
+        default=None,
+        metavar="EXTRA,...",
+        help="run only the tests marked extra(...) with one of these extras (CI's second stage, "
+        "after installing them into the README's environment)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """``--only-extras a,b`` keeps the tests that declare one of those extras."""
+    wanted = config.getoption("--only-extras")
+    if not wanted:
+        return
+    names = {name.strip() for name in wanted.split(",") if name.strip()}
+    keep, drop = [], []
+    for item in items:
+        declared = {n for mark in item.iter_markers("extra") for n in mark.args}
+        (keep if declared & names else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(autouse=True)
@@ -56,11 +82,21 @@ def tiny_diffattn_model(request):
 @pytest.fixture
 def tiny_llama():
     """A tiny Hugging Face ``LlamaForCausalLM`` (skipped without transformers)."""
-    pytest.importorskip("transformers")
+    reason = skip_reason("hf")
+    if reason is not None:
+        pytest.skip(reason)
     return tiny_hf("llama")
 
 
 def pytest_runtest_setup(item):
-    """Tests marked ``gpu`` need CUDA: skipped on machines without it."""
+    """Tests marked ``gpu`` need CUDA, tests marked ``extra(name, ...)`` those extras: both are
+    skipped where they are absent, the skip naming what is missing (``tests/extras.py``)."""
     if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    for mark in item.iter_markers("extra"):
+        if not mark.args:
+            raise pytest.UsageError(f"{item.nodeid}: extra() names no extra")
+        for name in mark.args:
+            reason = skip_reason(name)
+            if reason is not None:
+                pytest.skip(reason)

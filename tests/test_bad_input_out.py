@@ -10,9 +10,13 @@ import pytest
 
 from diffattn.cli import main
 from diffattn.fileio import CheckpointError, check_output_directory, clear_output_directory
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
 from train_helpers import tiny_recipe, train_cli, write_recipe
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytestmark, pytest.mark.usefixtures("one_thread")]
 
 
 def _one_error_line(err: str, *words: str) -> str:

@@ -7,9 +7,13 @@ import os
 
 import pytest
 
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
 from train_helpers import read_losses, tiny_recipe, train_cli, write_recipe
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytestmark, pytest.mark.usefixtures("one_thread")]
 
 
 def _truncate(path):

@@ -30,6 +30,7 @@ def test_hf_directory_with_finite_weights_still_loads(tmp_path, tiny_llama):
     torch.testing.assert_close(model(ids).logits, tiny_llama(ids).logits)
 
 
+@pytest.mark.extra("hf")
 @pytest.mark.parametrize("extra", [[], ["--temperature", "0"]], ids=["sampling", "greedy"])
 def test_generate_with_nan_weights_is_one_line_exit_2(tmp_path, capsys, tiny_baseline, extra):
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -7,8 +7,10 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("yaml")
-pytest.importorskip("tokenizers")
+from extras import require_extra
+
+pytestmark = require_extra("train", "hf")
+
 
 from diffattn.cli import main
 from diffattn.compare import CompareOptions, default_recipe, plan_configs, run_compare

@@ -7,7 +7,10 @@ import math
 
 import pytest
 
-pytest.importorskip("yaml")
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
 
 from diffattn.cli import main
 from diffattn.compare import CompareOptions, run_compare

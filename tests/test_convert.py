@@ -16,19 +16,23 @@ import math
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from extras import require_extra
 
-from diffattn import DiffTransformerLM, ModelConfig  # noqa: E402
-from diffattn.checkpoint import (  # noqa: E402
+pytestmark = require_extra("hf")
+
+import transformers
+
+from diffattn import DiffTransformerLM, ModelConfig
+from diffattn.checkpoint import (
     CheckpointError,
     load_model,
     read_safetensors,
     save_model,
     weight_files,
 )
-from diffattn.commands import convert as convert_command  # noqa: E402
-from diffattn.convert import convert, detect_source  # noqa: E402
-from diffattn.convert.layout import (  # noqa: E402
+from diffattn.commands import convert as convert_command
+from diffattn.convert import convert, detect_source
+from diffattn.convert.layout import (
     half_to_interleaved,
     halves_to_pairs,
     interleaved_to_half,

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import itertools
 
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
 import numpy as np
 import pytest
 import torch

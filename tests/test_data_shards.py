@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import random
 
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
 import numpy as np
 import pytest
 

@@ -81,9 +81,11 @@ def test_jsonl_errors_name_file_and_line(tmp_path):
         list(iter_documents(str(tmp_path / "type.jsonl")))
 
 
+@pytest.mark.extra("parquet")
 def test_parquet_streams_batches(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     texts = [f"row {i}" for i in range(2500)] + [None, "last"]
     table = pa.table({"text": texts, "n": list(range(len(texts)))})
     pq.write_table(table, tmp_path / "a.parquet", row_group_size=700)
@@ -160,8 +162,8 @@ def test_hf_spec_parsing():
     assert parse_hf_spec("hf:text").split == "train"
 
 
+@pytest.mark.extra("datasets")
 def test_hf_datasets_local_builder(tmp_path, monkeypatch):
-    pytest.importorskip("datasets")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     rows = [{"text": "one"}, {"text": "two"}, {"text": "three"}]

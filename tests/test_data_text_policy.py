@@ -9,6 +9,10 @@ import pytest
 
 from diffattn.data import DataConfig, SourceStats, iter_documents, prepare_data
 from diffattn.data.sources import BINARY_SNIFF_BYTES, TextError, read_text_file
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
 from train_helpers import tiny_recipe, train_cli, write_recipe
 
 
@@ -111,19 +115,20 @@ def test_prepare_reports_and_records_bad_text_once(tmp_path, capsys):
     assert "diffattn data:" not in capsys.readouterr().err
 
 
-def test_strict_prepare_fails_naming_the_first_file_and_writes_nothing(tmp_path):
+@pytest.mark.parametrize(
+    "tokenizer",
+    ["bpe:300", pytest.param("tiktoken:cl100k_base", marks=pytest.mark.extra("tiktoken"))],
+)
+def test_strict_prepare_fails_naming_the_first_file_and_writes_nothing(tmp_path, tokenizer):
     corpus = _dirty_corpus(tmp_path)
     cache = tmp_path / "cache"
-    for tokenizer in ("bpe:300", "tiktoken:cl100k_base"):
-        if tokenizer.startswith("tiktoken"):
-            pytest.importorskip("tiktoken")
-        config = DataConfig(
-            sources=[str(corpus)], tokenizer=tokenizer, strict=True, cache_dir=str(cache)
-        )
-        with pytest.raises(ValueError, match=r"image\.png: byte 8: binary data") as error:
-            prepare_data(config, progress=False)
-        assert "\n" not in str(error.value)
-        assert not (cache / "shards").exists() or not any((cache / "shards").iterdir())
+    config = DataConfig(
+        sources=[str(corpus)], tokenizer=tokenizer, strict=True, cache_dir=str(cache)
+    )
+    with pytest.raises(ValueError, match=r"image\.png: byte 8: binary data") as error:
+        prepare_data(config, progress=False)
+    assert "\n" not in str(error.value)
+    assert not (cache / "shards").exists() or not any((cache / "shards").iterdir())
     (corpus / "image.png").unlink()
     with pytest.raises(ValueError, match=r"latin1\.txt: byte 3: not valid UTF-8"):
         prepare_data(config, progress=False)

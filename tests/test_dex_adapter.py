@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 from diffattn import dex
+from extras import require_extra
 from helpers import TINY_VOCAB as VOCAB
 from helpers import tiny_diffattn, tiny_hf
 from helpers import tiny_model as make
 
-transformers = pytest.importorskip("transformers")
+pytestmark = require_extra("hf")
 
 
 KINDS = ("llama", "qwen2", "mistral", "diffattn")

@@ -8,10 +8,12 @@ import json
 
 import pytest
 import torch
-import yaml
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+from extras import require_extra
+
+pytestmark = require_extra("train", "hf", "peft")
+
+import yaml
 
 from diffattn.cli import main
 from diffattn.dex_compare.benchmarks import BenchmarkSettings, verdict

@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from diffattn import dex
+from extras import require_extra
 from helpers import tiny_diffattn
 
-transformers = pytest.importorskip("transformers")
+pytestmark = require_extra("hf")
+
+import transformers
 
 VOCAB = 128
 

@@ -10,10 +10,12 @@ from safetensors.torch import load_file, save_file
 
 from diffattn import dex
 from diffattn.dex.io import CONFIG_NAME, WEIGHTS_NAME, AdapterError
+from extras import require_extra
 from helpers import TINY_VOCAB as VOCAB
 from helpers import tiny_diffattn, tiny_hf
 
-transformers = pytest.importorskip("transformers")
+pytestmark = require_extra("hf")
+
 
 IDS = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
 

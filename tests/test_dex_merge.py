@@ -13,10 +13,12 @@ from torch import nn
 
 from diffattn import dex
 from diffattn.dex.merge import fold_into_o_proj
+from extras import require_extra
 from helpers import TINY_VOCAB as VOCAB
 from helpers import tiny_model as make
 
-transformers = pytest.importorskip("transformers")
+pytestmark = require_extra("hf")
+
 
 IDS = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
 TOL = 1e-4

@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from diffattn import dex, lambda_init_schedule
+from extras import require_extra
 from helpers import tiny_hf
 
-transformers = pytest.importorskip("transformers")
+pytestmark = require_extra("hf")
+
+import transformers
 
 
 def eq4(t: int, big_t: int, lam_init: float, lam_learn: float) -> float:

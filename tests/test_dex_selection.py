@@ -10,8 +10,11 @@ import torch.nn.functional as F
 
 from diffattn import DiffTransformerLM, ModelConfig, dex
 from diffattn.dex import HeadSelection
+from extras import require_extra
 
-transformers = pytest.importorskip("transformers")
+pytestmark = require_extra("hf")
+
+import transformers
 
 VOCAB = 128
 

@@ -12,7 +12,10 @@ import shutil
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from extras import require_extra
+
+pytestmark = require_extra("hf")
+
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,

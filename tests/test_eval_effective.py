@@ -12,7 +12,10 @@ from diffattn.cli import main
 from diffattn.data import train_bpe
 from diffattn.dex.effective import effective_attention_nearest, effective_attention_pinv
 from diffattn.eval.effective import invisible_share
+from extras import require_extra
 from helpers import tiny_hf
+
+pytestmark = require_extra("hf")
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x = 1\n    y = 2\n" * 30
 

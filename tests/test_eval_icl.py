@@ -13,7 +13,10 @@ from diffattn.cli import main
 from diffattn.eval import icl, icl_data
 from diffattn.eval.common import load_models
 from diffattn.eval.label_trie import LabelTrie, SharedPrefix, greedy_labels, label_logprobs
+from extras import require_extra
 from helpers import tiny_diffattn, tiny_hf
+
+pytestmark = require_extra("parquet")
 
 TRIE = {"a": [5, 6, 9], "b": [5, 7, 9], "c": [8, 9], "d": [10, 11, 12, 9]}
 
@@ -257,7 +260,8 @@ def test_jsonl_loader_errors(tmp_path):
 
 def _save_to_disk(root, splits, names):
     """A DatasetDict directory as ``datasets.save_to_disk`` lays it out (arrow streams)."""
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
+
     root.mkdir()
     (root / "dataset_dict.json").write_text(json.dumps({"splits": list(splits)}))
     features = {

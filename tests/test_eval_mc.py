@@ -16,6 +16,7 @@ from diffattn.eval import mc, mc_data, mc_tasks
 from diffattn.eval.common import load_models
 from diffattn.eval.loglik import Score, encode_request, score, score_one_by_one
 from diffattn.eval.mc_tasks import Item
+from extras import require_extra
 from mc_fixtures import (
     ARC_ROWS,
     BOOLQ_ROWS,
@@ -27,10 +28,11 @@ from mc_fixtures import (
     write_save_to_disk,
 )
 
+pytestmark = require_extra("hf")
+
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    pytest.importorskip("transformers")
     return build_models(tmp_path_factory.mktemp("mc"))
 
 

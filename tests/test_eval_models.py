@@ -11,7 +11,10 @@ from diffattn.checkpoint import save_model
 from diffattn.data import train_bpe
 from diffattn.eval import effective, heads, hessian, loss, needle, outliers
 from diffattn.eval.common import load_models
+from extras import require_extra
 from helpers import ATTENTIONS, tiny_diffattn, tiny_hf
+
+pytestmark = require_extra("hf")
 
 TEXT = (
     "def add(a, b):\n    return a + b\n\nclass Point:\n    x = 1\n    y = 2\n"

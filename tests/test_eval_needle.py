@@ -12,7 +12,10 @@ from diffattn.cli import main
 from diffattn.data import synthetic
 from diffattn.eval import needle
 from diffattn.eval.common import TextTokenizer, load_models
+from extras import require_extra
 from helpers import tiny_diffattn, tiny_hf
+
+pytestmark = require_extra("hf")
 
 LENGTH = 160  # tokens: room for 2 needles, the question and some haystack
 TINY = dict(needles=2, queries=1, lengths=[LENGTH], depths=[0, 100], samples=1, batch_size=2)

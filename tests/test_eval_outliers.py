@@ -12,6 +12,9 @@ from tests.helpers import tiny_diffattn, tiny_hf
 from diffattn.eval import loss as eval_loss
 from diffattn.eval import outliers
 from diffattn.eval.common import batches, load_models
+from extras import require_extra
+
+pytestmark = require_extra("hf")
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 

@@ -22,6 +22,9 @@ from diffattn.generation import (
     top_k_filter,
     top_p_filter,
 )
+from extras import require_extra
+
+pytestmark = require_extra("hf")
 
 TYPES = ["baseline", "diff_v1", "diff_v2"]
 VOCAB = 256
@@ -455,7 +458,8 @@ def _byte_level_tokenizer():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     raw = _byte_level_tokenizer()
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>")
     torch.manual_seed(0)

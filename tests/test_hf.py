@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
+from extras import require_extra
 
-from transformers import (  # noqa: E402
+pytestmark = require_extra("hf")
+
+from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DynamicCache,
@@ -21,11 +22,11 @@ from transformers import (  # noqa: E402
     pipeline,
 )
 
-import diffattn  # noqa: E402,F401  (registers the Auto classes)
-from diffattn import DiffTransformerLM, ModelConfig  # noqa: E402
-from diffattn.checkpoint import load_model, save_model  # noqa: E402
-from diffattn.hf import DiffAttnConfig, DiffAttnForCausalLM  # noqa: E402
-from diffattn.hf.compat import CACHE_FIELD  # noqa: E402
+import diffattn  # noqa: F401  (registers the Auto classes)
+from diffattn import DiffTransformerLM, ModelConfig
+from diffattn.checkpoint import load_model, save_model
+from diffattn.hf import DiffAttnConfig, DiffAttnForCausalLM
+from diffattn.hf.compat import CACHE_FIELD
 
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
 VOCAB = 320

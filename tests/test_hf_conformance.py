@@ -157,6 +157,7 @@ def test_logits_at_padding_positions_do_not_depend_on_the_backend(attention):
     torch.testing.assert_close(sdpa, eager, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.extra("hf")
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_one_decode_step_compiles_with_fullgraph(attention):
     from transformers import DynamicCache
@@ -197,6 +198,7 @@ def test_registration_does_not_depend_on_import_order(order):
     assert result.stdout.strip() == "DiffAttnForCausalLM"
 
 
+@pytest.mark.extra("hf")
 def test_pickle_weights_are_refused_on_the_hf_path(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -210,6 +212,7 @@ def test_pickle_weights_are_refused_on_the_hf_path(tmp_path):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.extra("hf")
 def test_from_pretrained_names_a_truncated_safetensors_file(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -140,6 +140,7 @@ def test_attributes_set_on_a_config_survive_save_and_load(tmp_path):
     assert again.layer_norm_eps == 1.0 and again.to_model_config() == config.to_model_config()
 
 
+@pytest.mark.extra("hf")
 def test_blocks_are_hf_gradient_checkpointing_layers_and_checkpoint_once():
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -163,6 +164,7 @@ def test_blocks_are_hf_gradient_checkpointing_layers_and_checkpoint_once():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.extra("hf")
 def test_unknown_attn_implementation_gives_hfs_own_error():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -190,6 +192,7 @@ def _counting_backend(graphs: list):
     return backend
 
 
+@pytest.mark.extra("hf")
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_static_cache_generate_compiles_fullgraph_and_equals_eager(attention):
     """HF's ``generate`` compiles the decode step (``fullgraph=True``) with a static cache and left

@@ -9,6 +9,10 @@ import json
 
 import pytest
 
+from extras import require_extra
+
+pytestmark = require_extra("lm-eval")
+
 from diffattn.commands.lm_eval import harness_argv
 from mc_fixtures import ARC_ROWS, BOOLQ_ROWS, WINOGRANDE_ROWS, build_models, write_jsonl
 
@@ -86,7 +90,6 @@ def test_harness_arguments_default_to_run_and_our_model():
 
 @pytest.fixture(scope="module")
 def harness_setup(tmp_path_factory):
-    pytest.importorskip("lm_eval")
     root = tmp_path_factory.mktemp("lm_eval")
     dirs = build_models(root)
     tasks = root / "tasks"
@@ -138,7 +141,6 @@ def test_scores_equal_the_harness(harness_setup, kind, monkeypatch):
 
 
 def test_shot_prompts_score_the_same_in_the_harness(harness_setup):
-    pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
 
     from diffattn.eval import harness, mc, mc_tasks
@@ -156,7 +158,6 @@ def test_shot_prompts_score_the_same_in_the_harness(harness_setup):
 
 
 def test_entry_point_runs_the_harness_on_our_models(harness_setup, tmp_path, monkeypatch):
-    pytest.importorskip("lm_eval")
     from diffattn import dex
     from diffattn.cli import main
     from diffattn.loading import load_model

@@ -12,7 +12,10 @@ from diffattn.checkpoint import save_model
 from diffattn.dex.adapter import dex_sites
 from diffattn.fileio import CheckpointError
 from diffattn.loading import load_model_and_tokenizer, resolve_source
+from extras import require_extra
 from helpers import TINY_VOCAB, tiny_diffattn
+
+pytestmark = require_extra("hf")
 
 IDS = torch.randint(0, TINY_VOCAB, (2, 7), generator=torch.Generator().manual_seed(11))
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
 import numpy as np
 import pytest
 import torch
-
-pytest.importorskip("yaml")
 
 from diffattn.cli import main
 from diffattn.data.upsample import corpus_shape, plan_upsampling, upsample_corpus

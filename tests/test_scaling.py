@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 
+from extras import require_extra
+
+pytestmark = require_extra("train", "eval")
+
 import numpy as np
 import pytest
-
-pytest.importorskip("scipy")
-pytest.importorskip("yaml")
 
 from diffattn.cli import main
 from diffattn.scaling import (

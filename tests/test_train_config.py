@@ -23,6 +23,10 @@ from diffattn.train import (
     read_env,
 )
 from diffattn.train.config import ScheduleSection
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
 from train_helpers import REPO, tiny_recipe, write_recipe
 
 CONFIGS = REPO / "configs"

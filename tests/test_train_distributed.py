@@ -21,6 +21,10 @@ import torch
 from diffattn.checkpoint import load_model
 from diffattn.train import TrainConfig, distributed, train
 from diffattn.train.parallel import parallelize
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
 from train_helpers import (
     free_port,
     subprocess_env,
@@ -29,7 +33,7 @@ from train_helpers import (
     write_recipe,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytestmark, pytest.mark.usefixtures("one_thread")]
 
 
 TOLERANCE = 1e-5

@@ -17,9 +17,13 @@ from pathlib import Path
 import pytest
 
 from diffattn.fileio import is_partial_write
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
 from train_helpers import free_port, subprocess_env, tiny_recipe, write_recipe
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytestmark, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 FAULT_SCRIPT = Path(__file__).with_name("fault_train.py")
 STEPS = 6

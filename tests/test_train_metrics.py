@@ -10,11 +10,15 @@ import torch
 from diffattn import DiffTransformerLM, ModelConfig
 from diffattn.train import TrainConfig, read_metrics, train
 from diffattn.train.metrics import LambdaProbe, SpikeDetector
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
 from train_helpers import (
     tiny_recipe,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytestmark, pytest.mark.usefixtures("one_thread")]
 
 
 BASE_FIELDS = {
@@ -140,8 +144,8 @@ def test_three_models_on_the_same_prepared_data(tmp_path, data_cache):
     assert results["diff_v2"].num_parameters > results["baseline"].num_parameters
 
 
+@pytest.mark.extra("tensorboard")
 def test_tensorboard_event_files(tmp_path, data_cache):
-    pytest.importorskip("torch.utils.tensorboard")
     config = TrainConfig.from_dict(tiny_recipe(data_cache, steps=2, tensorboard=True))
     train(config, tmp_path / "run", progress=False)
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))

@@ -14,6 +14,10 @@ from diffattn.train.checkpoint import (
     list_checkpoints,
     load_trainer_state,
 )
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
 from train_helpers import (
     read_losses,
     tiny_recipe,
@@ -21,7 +25,7 @@ from train_helpers import (
     write_recipe,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytestmark, pytest.mark.usefixtures("one_thread")]
 
 
 _cli = train_cli

@@ -15,6 +15,10 @@ import torch
 from diffattn.checkpoint import load_model
 from diffattn.train import TrainConfig, TrainingDiverged, train
 from diffattn.train.checkpoint import list_checkpoints
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
 from train_helpers import (
     subprocess_env,
     tiny_recipe,
@@ -22,7 +26,7 @@ from train_helpers import (
     write_recipe,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytestmark, pytest.mark.usefixtures("one_thread")]
 
 
 _cli = train_cli

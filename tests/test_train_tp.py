@@ -23,9 +23,13 @@ from diffattn.train import TrainConfig, train
 from diffattn.train.config import ConfigError, check_runtime
 from diffattn.train.distributed import DistEnv
 from diffattn.train.tensor_parallel import kv_groups, tp_plan, tp_problem
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
 from train_helpers import REPO, tiny_recipe, torchrun, torchrun_target, write_recipe
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytestmark, pytest.mark.usefixtures("one_thread")]
 
 TOLERANCE = 1e-5
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
@@ -190,6 +194,7 @@ def test_fsdp2_by_tp_on_four_processes_equals_one_process(tmp_path, data_cache):
         assert torch.allclose(value, two_d[name], atol=1e-4, rtol=0), name
 
 
+@pytest.mark.extra("hf")
 @pytest.mark.slow
 def test_tp_resume_is_exact_and_the_checkpoint_loads_alone_and_in_hf(tmp_path, data_cache):
     recipe = {**_tp_recipe(data_cache, checkpoint_every=2), "tp": 2}

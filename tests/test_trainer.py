@@ -14,10 +14,14 @@ import pytest
 import torch
 
 from diffattn.train import Evaluation, TrainConfig, Trainer, read_metrics, shutdown, train
+from extras import require_extra
 from helpers import tiny_diffattn, tiny_hf
+
+pytestmark = require_extra("train")
+
 from train_helpers import REPO, free_port, tiny_recipe
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytestmark, pytest.mark.usefixtures("one_thread")]
 
 TOLERANCE = 1e-5
 
@@ -118,8 +122,8 @@ def _assert_same_records(reference_dir: Path, distributed_dir: Path) -> None:
                 assert abs(ref[key] - got[key]) <= TOLERANCE, (ref["step"], key)
 
 
+@pytest.mark.extra("hf")
 def test_factory_model_under_ddp_equals_one_process_and_resumes_alone(tmp_path, data_cache):
-    pytest.importorskip("transformers")
     recipe = tiny_recipe(data_cache, steps=4, eval_every=2, checkpoint_every=2, device="cpu")
     recipe["keep_last"] = None
     single = train(
@@ -147,12 +151,11 @@ def test_factory_model_under_ddp_equals_one_process_and_resumes_alone(tmp_path, 
 
 @pytest.mark.parametrize(
     "factory",
-    [tiny_diff_v1, tiny_llama],  # blocks in .layers; in .model.layers (Hugging Face)
+    # blocks in .layers; in .model.layers (Hugging Face)
+    [tiny_diff_v1, pytest.param(tiny_llama, marks=pytest.mark.extra("hf"))],
     ids=["diff_v1", "hf_llama"],
 )
 def test_factory_model_under_fsdp2_equals_one_process(tmp_path, data_cache, factory):
-    if factory is tiny_llama:
-        pytest.importorskip("transformers")
     recipe = tiny_recipe(data_cache, steps=3, eval_every=3, device="cpu")
     train(
         TrainConfig.from_dict(recipe),
@@ -167,6 +170,7 @@ def test_factory_model_under_fsdp2_equals_one_process(tmp_path, data_cache, fact
     ).is_file()
 
 
+@pytest.mark.extra("hf", "peft")
 def test_decoder_blocks_of_diffattn_hf_and_peft_models():
     from torch import nn
 
@@ -176,10 +180,10 @@ def test_decoder_blocks_of_diffattn_hf_and_peft_models():
     assert decoder_blocks(model) is model.layers
     with pytest.raises(ValueError, match=r"no nn\.ModuleList of decoder blocks"):
         decoder_blocks(nn.Linear(2, 2))
-    pytest.importorskip("transformers")
     llama = tiny_llama()
     assert decoder_blocks(llama) is llama.model.layers
-    peft = pytest.importorskip("peft")
+    import peft
+
     wrapped = peft.get_peft_model(llama, peft.LoraConfig(r=2, target_modules=["q_proj"]))
     assert decoder_blocks(wrapped) is wrapped.base_model.model.model.layers
 

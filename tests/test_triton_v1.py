@@ -28,16 +28,16 @@ def _run_cases(interpret: bool, *selection: str) -> None:
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
 
 
+@pytest.mark.extra("triton")
 @pytest.mark.parametrize("selection", ["not 129 and not half", "129", "half"])
 def test_triton_kernels_under_the_interpreter(selection):
-    pytest.importorskip("triton")
     _run_cases(True, "-k", selection)
 
 
+@pytest.mark.extra("triton")
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_kernels_on_cuda():
-    pytest.importorskip("triton")
     _run_cases(False)
 
 
