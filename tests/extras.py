@@ -55,7 +55,6 @@ MODULE_EXTRAS = {
 
 PACKAGE_EXTRAS = {
     "diffattn.eval.harness": "lm-eval",
-    "diffattn.commands.lm_eval": "lm-eval",
     "diffattn.attention.triton_diff_v1": "triton",
     "torch.utils.tensorboard": "tensorboard",
 }

@@ -9,10 +9,6 @@ import json
 
 import pytest
 
-from extras import require_extra
-
-pytestmark = require_extra("lm-eval")
-
 from diffattn.commands.lm_eval import harness_argv
 from mc_fixtures import ARC_ROWS, BOOLQ_ROWS, WINOGRANDE_ROWS, build_models, write_jsonl
 
@@ -103,6 +99,7 @@ def harness_setup(tmp_path_factory):
     return dirs, tasks, data, root
 
 
+@pytest.mark.extra("lm-eval")
 @pytest.mark.parametrize("kind", ["llama", "diff_v1"])
 def test_scores_equal_the_harness(harness_setup, kind, monkeypatch):
     import lm_eval
@@ -140,6 +137,7 @@ def test_scores_equal_the_harness(harness_setup, kind, monkeypatch):
         )
 
 
+@pytest.mark.extra("lm-eval")
 def test_shot_prompts_score_the_same_in_the_harness(harness_setup):
     from lm_eval.api.instance import Instance
 
@@ -157,6 +155,7 @@ def test_shot_prompts_score_the_same_in_the_harness(harness_setup):
     assert [s.loglikelihood for s in ours] == pytest.approx([t[0] for t in theirs], rel=1e-5)
 
 
+@pytest.mark.extra("lm-eval")
 def test_entry_point_runs_the_harness_on_our_models(harness_setup, tmp_path, monkeypatch):
     from diffattn import dex
     from diffattn.cli import main
@@ -181,6 +180,7 @@ def test_entry_point_runs_the_harness_on_our_models(harness_setup, tmp_path, mon
         assert 0.0 <= results["acc,none"] <= 1.0, name
 
 
+@pytest.mark.extra("lm-eval")
 @pytest.mark.parametrize(
     ("argument", "message"),
     [
