@@ -189,3 +189,11 @@ def test_1_4b_matched_width_by_hand():
     assert matched.ffn_dim == 4800
     base = count_parameters(presets.get("1.4B"))
     assert count_parameters(matched) - base == -16 * 3 * 2048 * 24
+
+
+def test_a_tie_takes_the_wider_width():
+    # 6.8B: 10944 − (32·128 + 32)/3 = 9568 exactly, halfway between 9536 and 9600
+    matched = presets.get("6.8B", "diff_v2", match_params=True)
+    assert matched.ffn_dim == 9600
+    base = count_parameters(presets.get("6.8B"))
+    assert count_parameters(matched) - base == 32 * 3 * 4096 * 32
