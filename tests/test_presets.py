@@ -41,10 +41,35 @@ def test_v2_extra_parameters_are_reported_exactly(name):
     base = count_parameters(presets.get(name))
     v2_cfg = presets.get(name, attention="diff_v2")
     assert count_parameters(v2_cfg) - base == presets.v2_extra_parameters(v2_cfg)
-    matched = count_parameters(presets.get(name, attention="diff_v2", match_params=True))
-    # Narrowing the FFN by whole units leaves at most half a unit (3·d_model·L) of mismatch.
-    assert abs(matched - base) <= 1.5 * v2_cfg.d_model * v2_cfg.n_layers
-    assert abs(matched - base) / base < 1e-3
+    matched_cfg = presets.get(name, attention="diff_v2", match_params=True)
+    assert matched_cfg.ffn_dim % 64 == 0
+    # Narrowing the FFN in steps of 64 units leaves at most half a step (32 units, each
+    # 3·d_model·L parameters) of mismatch.
+    matched = count_parameters(matched_cfg)
+    assert abs(matched - base) <= 32 * 3 * v2_cfg.d_model * v2_cfg.n_layers
+
+
+def test_match_multiple_of_one_matches_to_the_unit():
+    # 5504 − (16·128 + 16)/3 = 4816 exactly: a whole unit, so the match is exact.
+    base = count_parameters(presets.get("1.4B"))
+    exact = presets.get("1.4B", "diff_v2", match_params=True, match_multiple_of=1)
+    assert exact.ffn_dim == 4816 and count_parameters(exact) == base
+    # 0.4B: 4096 − (16·64 + 16)/3 = 3749.33 -> 3749, a third of a unit (3·1024·16) below.
+    near = presets.get("0.4B", "diff_v2", match_params=True, match_multiple_of=1)
+    assert near.ffn_dim == 3749
+    assert count_parameters(near) - count_parameters(presets.get("0.4B")) == -16_384
+
+
+def test_match_multiple_of_needs_match_params_and_a_positive_step():
+    with pytest.raises(ValueError, match="match_multiple_of applies only with match_params"):
+        presets.get("tiny", "diff_v2", match_multiple_of=1)
+    with pytest.raises(ValueError, match="match_multiple_of must be a positive integer"):
+        presets.get("tiny", "diff_v2", match_params=True, match_multiple_of=0)
+
+
+def test_match_params_refuses_an_ffn_with_nothing_left():
+    with pytest.raises(ValueError, match="no width left"):
+        presets.get("tiny", "diff_v2", match_params=True, ffn_hidden=64)
 
 
 def test_match_params_rejects_other_types():

@@ -140,6 +140,8 @@ def test_paper_13b_is_about_13_billion_parameters():
         ({"model": {"preset": "tiny", "attention": "diff_v3"}}, "model.attention"),
         ({"model": {"preset": "tiny", "n_heads": 3}}, "model.n_heads"),
         ({"model": {"preset": "tiny", "match_params": True}}, "model.match_params"),
+        ({"model": {"preset": "tiny", "match_multiple_of": 0}}, "model.match_multiple_of"),
+        ({"model": {"preset": "tiny", "match_multiple_of": "64"}}, "model.match_multiple_of"),
         ({"data": {"tokenizer": "bpe:12"}}, "data.tokenizer"),
         ({"keep_last": 0}, "keep_last"),
         ({"spike_factor": 0.5}, "spike_factor"),
@@ -332,3 +334,18 @@ def test_a_missing_data_source_is_a_data_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "error: data: " in err and "no-such-dir" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_match_multiple_of_sets_the_step_of_the_matched_width(tmp_path):
+    recipe = tiny_recipe(tmp_path)
+    recipe["model"] = {"preset": "tiny", "attention": "diff_v2", "match_params": True}
+    path = write_recipe(tmp_path / "r.yaml", recipe)
+    # tiny: 384 − (8·16 + 8)/3 = 338.67 hidden units match; 320 is the nearest multiple of 64
+    assert load_config(path).model_config().ffn_dim == 320
+    unit = load_config(path, ["model.match_multiple_of=1"])
+    assert unit.model_config().ffn_dim == 339
+    assert unit.to_dict()["model"]["match_multiple_of"] == 1
+    assert "match_multiple_of" not in load_config(path).to_dict()["model"]
+    # read only by a matched run: without match_params the SwiGLU keeps its full width
+    base = load_config(path, ["model.match_multiple_of=1", "model.match_params=false"])
+    assert base.model_config().ffn_dim == 384

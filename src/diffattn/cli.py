@@ -22,19 +22,27 @@ VERBS: tuple[tuple[str, str], ...] = (
 
 
 def _presets_command(args: argparse.Namespace) -> int:
+    """Parameter counts per type, and DIFF V2's matched SwiGLU width with the difference
+    from the baseline that rounding it to a multiple of 64 leaves (presets.match_v2_params)."""
     from diffattn import presets
     from diffattn.model import count_parameters
 
     names = [args.name] if args.name else presets.names()
-    header = f"{'preset':>7} {'baseline':>15} {'diff_v1':>15} {'diff_v2':>15} {'v2 matched':>15}"
-    print(header)
+    columns = ("baseline", "diff_v1", "diff_v2", "v2 matched")
+    print(f"{'preset':>7} " + " ".join(f"{c:>15}" for c in columns) + " v2 ffn  v2 vs base")
     for name in names:
         counts = [
             count_parameters(presets.get(name, attention=attention))
             for attention in ("baseline", "diff_v1", "diff_v2")
         ]
-        counts.append(count_parameters(presets.get(name, "diff_v2", match_params=True)))
-        print(f"{name:>7} " + " ".join(f"{c:>15,}" for c in counts))
+        matched = presets.get(name, "diff_v2", match_params=True)
+        counts.append(count_parameters(matched))
+        difference = (counts[-1] - counts[0]) / counts[0]
+        print(
+            f"{name:>7} "
+            + " ".join(f"{c:>15,}" for c in counts)
+            + f" {matched.ffn_dim:>6} {difference:>+10.3%}"
+        )
     return 0
 
 

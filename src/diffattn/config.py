@@ -71,6 +71,9 @@ class ModelConfig:
     """SwiGLU hidden size; ``None`` means ``ffn_multiplier * d_model`` rounded up."""
     ffn_multiplier: float = 8 / 3
     ffn_multiple_of: int = 64
+    """The default SwiGLU width is rounded up to a multiple of this, and DIFF V2's
+    parameter-matched width (``presets.match_v2_params``) is kept on it: GEMM dimensions off
+    a multiple of 64 run on slow GPU kernels (docs/performance.md, "Aligned shapes")."""
     max_seq_len: int = 2048
 
     # --- attention -------------------------------------------------------------------------

@@ -16,11 +16,15 @@ Sources:
 
 DIFF V2 adds the second half of W_Q (d_model·h·d per layer) and W_λ (d_model·h per layer);
 ``get(..., match_params=True)`` narrows the SwiGLU hidden size to give those parameters back,
-as the V2 blog's "borrowed from other parts of the model" suggests.
+as the V2 blog's "borrowed from other parts of the model" suggests. The narrowed width stays a
+multiple of ``ffn_multiple_of`` (64 by default): a GEMM dimension off that grid sends cuBLAS to
+slow kernels, so the matched total is within half a step (32 hidden units, all layers) of the
+baseline's instead of exact (docs/architecture.md, "Parameter matching").
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from diffattn.config import ModelConfig
@@ -115,32 +119,55 @@ def get(
     name: str,
     attention: str = "baseline",
     match_params: bool = False,
+    match_multiple_of: int | None = None,
     **overrides: Any,
 ) -> ModelConfig:
     """The preset ``name`` with ``attention`` and any ``ModelConfig`` field ``overrides``.
 
-    ``match_params=True`` (DIFF V2 only) narrows the SwiGLU hidden size by
-    ``round(extra / (3·d_model·n_layers))`` so the total matches the baseline's.
+    ``match_params=True`` (DIFF V2 only) narrows the SwiGLU hidden size so the total matches
+    the baseline's, keeping the width a multiple of ``match_multiple_of`` (default: the
+    config's ``ffn_multiple_of``); see :func:`match_v2_params`.
     """
     if name not in _PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(_PRESETS)}")
+    if match_multiple_of is not None and not match_params:
+        raise ValueError("match_multiple_of applies only with match_params=True")
     fields = {**_PRESETS[name], "attention": attention, **overrides}
     fields.setdefault("extra", {})
     fields["extra"] = {**fields["extra"], "preset": name}
     config = ModelConfig.from_dict(fields)
-    return match_v2_params(config) if match_params else config
+    return match_v2_params(config, match_multiple_of) if match_params else config
 
 
-def match_v2_params(config: ModelConfig) -> ModelConfig:
-    """``config`` (DIFF V2) with the SwiGLU narrowed by ``round(extra / (3·d_model·n_layers))``
-    hidden units, so its parameter total matches the baseline with the same fields."""
+def match_v2_params(config: ModelConfig, multiple_of: int | None = None) -> ModelConfig:
+    """``config`` (DIFF V2) with the SwiGLU narrowed so its parameter total matches the
+    baseline with the same fields, the width kept a multiple of ``multiple_of``.
+
+    V2 adds ``E = L·(d_model·h·d + d_model·h)`` parameters (the second half of W_Q and W_λ,
+    V2 blog); one SwiGLU hidden unit costs ``3·d_model`` per layer (gate, up, down). The exact
+    width ``ffn_dim − E / (3·d_model·L)`` is rarely on the grid, so of the two multiples of
+    ``multiple_of`` around it the one with the smaller parameter difference wins (the wider
+    on a tie). The remainder is left as a difference of at most ``multiple_of / 2`` hidden
+    units in every layer: ``1.5·multiple_of·d_model·L`` parameters.
+
+    ``multiple_of`` defaults to the config's ``ffn_multiple_of`` (64); ``1`` matches to the
+    nearest unit, for CPU models too small for a 64-wide step.
+    """
     if config.attention != "diff_v2":
         raise ValueError(
             "match_params only applies to attention='diff_v2'; baseline and "
             "diff_v1 are matched by construction"
         )
+    step = config.ffn_multiple_of if multiple_of is None else multiple_of
+    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+        raise ValueError(f"match_multiple_of must be a positive integer, got {step!r}")
     per_unit = 3 * config.d_model * config.n_layers  # one SwiGLU hidden unit, all layers
-    narrow = round(v2_extra_parameters(config) / per_unit)
-    if narrow >= config.ffn_dim:
-        raise ValueError("match_params: the FFN has no width left to give back")
-    return config.replace(ffn_hidden=config.ffn_dim - narrow)
+    exact = config.ffn_dim - v2_extra_parameters(config) / per_unit
+    below = step * math.floor(exact / step)
+    width = below if exact - below < below + step - exact else below + step
+    if width <= 0:
+        raise ValueError(
+            f"match_params: the FFN has no width left to give back (ffn_dim={config.ffn_dim}, "
+            f"{exact:.1f} hidden units would match)"
+        )
+    return config.replace(ffn_hidden=width)

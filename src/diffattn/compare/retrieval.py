@@ -128,15 +128,23 @@ class RetrievalSettings:
 
     def model_config(self, attention: str):
         """The model for ``attention``, parameters matched across types (DIFF V1 by
-        construction, DIFF V2 through ``match_params``)."""
+        construction, DIFF V2 through ``match_params``).
+
+        DIFF V2's SwiGLU is matched to the unit, not to a multiple of 64: at d_model 64 one
+        64-wide step is a fifth of the model's parameters, and models this small are too small
+        for GEMM alignment to matter. The vocabulary (the task's, rounded up to 8) is not
+        padded to 64 either.
+        """
         from diffattn import presets
 
         task = self.task()
         vocab = -(-task.vocab_size // 8) * 8
+        v2 = attention == "diff_v2"
         return presets.get(
             self.preset,
             attention,
-            match_params=attention == "diff_v2",
+            match_params=v2,
+            match_multiple_of=1 if v2 else None,
             vocab_size=vocab,
             d_model=self.d_model,
             n_layers=self.n_layers,

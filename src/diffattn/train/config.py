@@ -44,6 +44,9 @@ PARALLEL_MODES: tuple[str, ...] = get_args(Parallel)
 _MODEL_FIELDS = tuple(
     f.name for f in dataclasses.fields(ModelConfig) if f.name not in ("attention", "extra")
 )
+# The model section's own keys, beside the ModelConfig fields.
+_MATCH_KEYS = ("match_multiple_of", "match_params")
+_SECTION_KEYS = ("preset", "attention", *_MATCH_KEYS)
 
 
 class ConfigError(ValueError):
@@ -69,12 +72,15 @@ class ModelSection:
     attention: Literal["baseline", "diff_v1", "diff_v2"] = "baseline"
     match_params: bool = False
     """DIFF V2 only: narrow the SwiGLU so the parameter count matches the baseline."""
+    match_multiple_of: int | None = None
+    """The multiple the matched SwiGLU width keeps (``presets.match_v2_params``); ``None``:
+    the model's ``ffn_multiple_of`` (64). Read only by runs with ``match_params``."""
     overrides: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: Any, prefix: str = "model.") -> ModelSection:
         data = _require_mapping(data, prefix.rstrip("."))
-        own = {k: data[k] for k in ("preset", "attention", "match_params") if k in data}
+        own = {k: data[k] for k in _SECTION_KEYS if k in data}
         rest = {k: v for k, v in data.items() if k not in own}
         if "overrides" in rest:
             raise ConfigError(
@@ -85,7 +91,7 @@ class ModelSection:
         if unknown:
             raise ConfigError(
                 f"{prefix}{unknown[0]}",
-                "unknown key; model takes preset, attention, match_params and the "
+                f"unknown key; model takes {', '.join(_SECTION_KEYS)} and the "
                 f"ModelConfig fields {', '.join(_MODEL_FIELDS)}",
             )
         section = _build_dataclass(cls, own, prefix)
@@ -93,12 +99,14 @@ class ModelSection:
         return section
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        own = {
             "preset": self.preset,
             "attention": self.attention,
             "match_params": self.match_params,
-            **self.overrides,
         }
+        if self.match_multiple_of is not None:
+            own["match_multiple_of"] = self.match_multiple_of
+        return {**own, **self.overrides}
 
     def build(self) -> ModelConfig:
         """The validated :class:`ModelConfig`; a bad field raises :class:`ConfigError`."""
@@ -107,11 +115,17 @@ class ModelSection:
                 "model.preset",
                 f"unknown preset {self.preset!r}; available: {', '.join(presets.names())}",
             )
+        if self.match_multiple_of is not None and self.match_multiple_of <= 0:
+            raise ConfigError(
+                "model.match_multiple_of",
+                f"must be a positive integer or null, got {self.match_multiple_of}",
+            )
         try:
             return presets.get(
                 self.preset,
                 attention=self.attention,
                 match_params=self.match_params,
+                match_multiple_of=self.match_multiple_of if self.match_params else None,
                 **self.overrides,
             )
         except ValueError as error:
@@ -119,7 +133,7 @@ class ModelSection:
             match = re.match(r"ModelConfig\.(\w+): (.*)", message, flags=re.S)
             if match:
                 raise ConfigError(f"model.{match.group(1)}", match.group(2)) from None
-            key = "model.match_params" if "match_params" in message else "model"
+            key = next((f"model.{k}" for k in _MATCH_KEYS if k in message), "model")
             raise ConfigError(key, message) from None
 
 
