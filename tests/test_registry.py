@@ -381,8 +381,10 @@ def test_the_backends_command_lists_what_auto_picks(capsys):
 
     assert main(["backends", "--dtype", "fp32"]) == 0
     out = capsys.readouterr().out
-    assert "auto on cpu, fp32:" in out and "custom mask" in out
+    assert "auto on cpu, fp32, heads of width 64:" in out and "custom mask" in out
     assert "fused" in out and "not usable" in out  # flash and triton on a CPU machine
+    assert "  train              two calls, Q/K zero-padded to V's width" in out
+    assert "  decode             differential_rows" in out
     assert main(["backends", "--time", "--cases", "nonesuch"]) == 2
     assert "--cases" in capsys.readouterr().err
 
