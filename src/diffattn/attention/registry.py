@@ -171,6 +171,8 @@ REFUSAL_MESSAGES = (
     "no viable backend",  # the same, on the CPU
     "no valid execution plan",  # cuDNN built no plan for the shape
     "cudnn_status_not_supported",
+    "only supports ampere gpus or newer",  # flash-attn on an older GPU
+    "no kernel image is available",  # a kernel not built for this GPU's architecture
 )
 """Phrases of ``RuntimeError`` messages by which PyTorch says a GPU kernel refused a call."""
 
