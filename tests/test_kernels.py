@@ -302,3 +302,18 @@ def test_a_programming_error_on_the_cudnn_route_still_raises(monkeypatch, fresh_
     with pytest.raises(RuntimeError, match="must match"):
         sdpa.sdpa_diff_v1(*_diff_v1_inputs(1, 2, 2, 7, 7, 8), AttentionMask(), 0.3)
     assert not sdpa._cudnn_refused
+
+
+def test_a_cudnn_refusal_names_pytorchs_reasons_for_cudnn_only():
+    from diffattn.attention.backends.sdpa import _cudnn_reasons
+
+    messages = [
+        "Memory efficient kernel not used because:",
+        "Mem efficient attention has been runtime disabled.",
+        "Flash attention kernel not used because:",
+        "Flash attention has been runtime disabled.",
+        "cuDNN attention kernel not used because:",
+        "cuDNN SDPA on SM 9.0/10.x does not support backward with these head dimensions.",
+    ]
+    assert _cudnn_reasons(messages) == [messages[-1]]
+    assert _cudnn_reasons(messages[:4]) == []

@@ -207,6 +207,13 @@ def _call_kind(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, mask: Attent
     )
 
 
+def _cudnn_reasons(messages: list[str]) -> list[str]:
+    """PyTorch's reasons for not running cuDNN attention, from the warnings it gives when no
+    allowed kernel takes a call: those after its "cuDNN attention kernel not used because"."""
+    heads = [i for i, m in enumerate(messages) if "cudnn" in m.lower() and "not used" in m]
+    return messages[heads[-1] + 1 :] if heads else []
+
+
 def _on_cudnn(q1, q2, k1, k2, v, lam, mask: AttentionMask, scale: float) -> torch.Tensor | None:
     """:func:`native_width_diff_v1` on cuDNN, or ``None`` (one warning per kind of call)
     where cuDNN is missing or refuses the call; other errors propagate."""
@@ -223,8 +230,7 @@ def _on_cudnn(q1, q2, k1, k2, v, lam, mask: AttentionMask, scale: float) -> torc
             reason = gpu_refusal(error)
             if reason is None:
                 raise
-            why = [str(w.message) for w in caught if "not used because" not in str(w.message)]
-            reason = "; ".join([reason, *why])
+            reason = "; ".join([reason, *_cudnn_reasons([str(w.message) for w in caught])])
         else:
             for w in caught:  # nothing expected on success; never swallowed
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
