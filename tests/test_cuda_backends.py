@@ -52,17 +52,28 @@ CPU_SHAPES = [(1, 1, "none", 1), (7, 7, "left", 2), (5, 20, "right", 2)]
 
 
 def _cases():
+    """The CUDA grid, then the CPU subset; the backend varies fastest, so that consecutive
+    cases share one float64 oracle (:func:`_expected`)."""
     gpu = pytest.mark.gpu
     for entry in ENTRIES:
-        for backend in CUDA_BACKENDS:
-            for dtype in (torch.float32, torch.bfloat16):
-                for d in (64, 128):
-                    for shape in CUDA_SHAPES:
-                        yield pytest.param("cuda", entry, backend, dtype, d, *shape, marks=gpu)
-        for backend in CPU_BACKENDS:
-            for shape in CPU_SHAPES:
-                yield pytest.param("cpu", entry, backend, torch.float32, 64, *shape)
-            yield pytest.param("cpu", entry, backend, torch.bfloat16, 64, *CPU_SHAPES[1])
+        for dtype in (torch.float32, torch.bfloat16):
+            for d in (64, 128):
+                for shape in CUDA_SHAPES:
+                    for backend in CUDA_BACKENDS:
+                        yield _param("cuda", entry, backend, dtype, d, *shape, marks=gpu)
+    for entry in ENTRIES:
+        cpu_cases = [(torch.float32, shape) for shape in CPU_SHAPES]
+        for dtype, shape in [*cpu_cases, (torch.bfloat16, CPU_SHAPES[1])]:
+            for backend in CPU_BACKENDS:
+                yield _param("cpu", entry, backend, dtype, 64, *shape)
+
+
+def _param(device, entry, backend, dtype, d, n, s, padding, gqa, marks=()):
+    """A case with a readable id: ``cuda-diff_v1-sdpa-bf16-d128-N129-S129-left-gqa2``."""
+    dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    name = f"{device}-{entry}-{backend}-{dtype_name}-d{d}-N{n}-S{s}-{padding}-gqa{gqa}"
+    values = (device, entry, backend, dtype, d, n, s, padding, gqa)
+    return pytest.param(*values, marks=marks, id=name)
 
 
 def _shapes(entry: str, bsz: int, n: int, s: int, d: int, gqa: int) -> list[tuple[int, ...]]:
