@@ -196,14 +196,32 @@ def test_auto_resolution_table_on_the_cpu(case, dtype):
     assert got == AUTO_CPU[case]
 
 
-def test_auto_order_on_cuda_is_flash_then_sdpa_for_every_call():
-    """No GPU is needed to check the order itself; triton is never picked by auto."""
-    from diffattn.attention.auto import ENTRIES, Call, order
+MEASURED = dict(dtype=torch.bfloat16, grad=False, decode=False, padded=False, head_dim=64)
 
-    for entry in ENTRIES:
-        for grad in (False, True):
-            call = Call(entry, "cuda", torch.bfloat16, grad, False, True, False, False)
-            assert order(call) == ("flash", "sdpa")
+
+@pytest.mark.parametrize("entry", ["softmax", "diff_v1", "diff_v2"])
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({}, ("sdpa", "flash")),  # bf16 prefill, d = 64: measured
+        ({"grad": True}, ("sdpa", "flash")),  # training
+        ({"head_dim": 128, "grad": True}, ("sdpa", "flash")),
+        ({"padded": True}, ("flash", "sdpa")),  # not measured: the earlier order
+        ({"decode": True}, ("flash", "sdpa")),
+        ({"cached": True}, ("flash", "sdpa")),  # chunked prefill
+        ({"traced": True}, ("flash", "sdpa")),
+        ({"custom_mask": True}, ("flash", "sdpa")),
+        ({"dtype": torch.float16}, ("flash", "sdpa")),
+        ({"head_dim": 32}, ("flash", "sdpa")),
+        ({"head_dim": 256}, ("flash", "sdpa")),
+    ],
+)
+def test_auto_order_on_cuda_follows_the_measured_table(entry, changes, expected):
+    """No GPU is needed to check the order itself; triton is never picked by auto."""
+    from diffattn.attention.auto import Call, order
+
+    fields = {**MEASURED, "custom_mask": False, "traced": False, **changes}
+    assert order(Call(entry, "cuda", **fields)) == expected
 
 
 def test_flash_takes_only_calls_its_kernel_computes():
@@ -363,8 +381,10 @@ def test_the_backends_command_lists_what_auto_picks(capsys):
 
     assert main(["backends", "--dtype", "fp32"]) == 0
     out = capsys.readouterr().out
-    assert "auto on cpu, fp32:" in out and "custom mask" in out
+    assert "auto on cpu, fp32, heads of width 64:" in out and "custom mask" in out
     assert "fused" in out and "not usable" in out  # flash and triton on a CPU machine
+    assert "  train              two calls, Q/K zero-padded to V's width" in out
+    assert "  decode             differential_rows" in out
     assert main(["backends", "--time", "--cases", "nonesuch"]) == 2
     assert "--cases" in capsys.readouterr().err
 
@@ -415,3 +435,120 @@ def test_a_stale_build_lock_is_a_reason_to_fall_back_not_a_hang(monkeypatch, tmp
     os.utime(lock, (old, old))
     reason = cpu_kernel.unavailable()
     assert reason is not None and "delete it" in reason and str(lock) in reason
+
+
+class OutOfResources(Exception):
+    """Named as Triton's shared-memory error, which is recognised by its class name."""
+
+
+REFUSALS = {
+    "triton": OutOfResources("out of resource: shared memory, Required: 278528, Hardware: 232448"),
+    "cudnn": RuntimeError("cuDNN Frontend error: [cudnn_frontend] No valid execution plans built."),
+    "sdpa": RuntimeError("No available kernel. Aborting execution."),
+}
+
+
+@pytest.fixture
+def refusing_backend():
+    """A backend whose every kernel raises ``error[0]`` (default: a Triton refusal), tried
+    first by ``auto`` on the CPU; yields ``(calls, error)``."""
+    from diffattn.attention import auto
+
+    calls, error = [], [REFUSALS["triton"]]
+
+    def refuse(*args):
+        calls.append(args[0].shape)
+        raise error[0]
+
+    registry.register_backend(registry.Backend("refusing-test", refuse, refuse, refuse))
+    auto.forget()
+    yield calls, error
+    registry._BACKENDS.pop("refusing-test")
+    auto.forget()
+
+
+def _prefer(monkeypatch, name: str) -> None:
+    from diffattn.attention import auto
+
+    inner = auto.order
+    monkeypatch.setattr(auto, "order", lambda call: (name, *inner(call)))
+
+
+def _diff_v1_call(backend: str, n: int = 6):
+    from diffattn.attention import kernels
+    from diffattn.attention.mask import AttentionMask
+
+    torch.manual_seed(1)
+    q1, q2, k1, k2 = (torch.randn(1, 2, n, 8, requires_grad=True) for _ in range(4))
+    v = torch.randn(1, 2, n, 16, requires_grad=True)
+    lam = torch.tensor(0.4)
+    out, _ = kernels.differential_attention(q1, q2, k1, k2, v, lam, AttentionMask(), 0.3, backend)
+    expected, _ = kernels.differential_attention(
+        q1, q2, k1, k2, v, lam, AttentionMask(), 0.3, "reference"
+    )
+    return out, expected
+
+
+@pytest.mark.parametrize("kind", list(REFUSALS))
+def test_a_gpu_refusal_moves_auto_to_its_next_choice_once(
+    monkeypatch, refusing_backend, caplog, kind
+):
+    calls, error = refusing_backend
+    error[0] = REFUSALS[kind]
+    _prefer(monkeypatch, "refusing-test")
+    with caplog.at_level("WARNING", logger="diffattn.kernels"):
+        for _ in range(3):
+            out, expected = _diff_v1_call("auto")
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+            out.sum().backward()
+    assert len(calls) == 1  # remembered for this kind of call: not tried again
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1
+    assert "'refusing-test'" in warnings[0] and str(REFUSALS[kind]).split(":")[0] in warnings[0]
+    assert "'fused'" in warnings[0] or "'sdpa'" in warnings[0]  # where the calls run now
+    _diff_v1_call("auto", n=9)  # another length, the same kind of call
+    assert len(calls) == 1
+    with torch.no_grad():  # another kind of call (a prefill) tries it again
+        _diff_v1_call("auto")
+    assert len(calls) == 2
+
+
+def test_an_explicit_backend_refused_by_the_gpu_runs_where_auto_would(refusing_backend, caplog):
+    """Never a crash: the named backend's refused calls run on auto's choice, one warning."""
+    calls, _ = refusing_backend
+    with caplog.at_level("WARNING", logger="diffattn.kernels"):
+        for _ in range(2):
+            out, expected = _diff_v1_call("refusing-test")
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert len(calls) == 1 and len(caplog.records) == 1
+    assert "'refusing-test'" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("The size of tensor a (6) must match the size of tensor b (7)"),
+        ValueError("q1 and k1 must have the same head width"),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ],
+)
+def test_a_programming_error_is_not_a_refusal(monkeypatch, refusing_backend, error):
+    from diffattn.attention import auto
+
+    calls, raised = refusing_backend
+    raised[0] = error
+    _prefer(monkeypatch, "refusing-test")
+    for backend in ("auto", "refusing-test"):
+        with pytest.raises(type(error), match=str(error).split(" (")[0][:20]):
+            _diff_v1_call(backend)
+    assert len(calls) == 2 and not auto.any_refused()
+
+
+def test_gpu_refusal_recognises_gpu_refusals_only():
+    assert registry.gpu_refusal(REFUSALS["triton"]).startswith("OutOfResources: out of")
+    assert "No valid execution plans" in registry.gpu_refusal(REFUSALS["cudnn"])
+    assert registry.gpu_refusal(REFUSALS["sdpa"]) == (
+        "RuntimeError: No available kernel. Aborting execution."
+    )
+    assert registry.gpu_refusal(RuntimeError("expected scalar type Float")) is None
+    assert registry.gpu_refusal(KeyError("no available kernel")) is None  # not a RuntimeError

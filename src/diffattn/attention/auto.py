@@ -14,7 +14,9 @@ exactly:
   of ``fused`` without a compiler) is skipped with one warning on the ``diffattn.kernels``
   logger, so a slower choice is visible and never wrong;
 * a backend whose kernel does not take the call (``Backend.accepts``: custom masks, holed
-  padding, tensor offsets for flash-attn) is skipped silently.
+  padding, tensor offsets for flash-attn) is skipped silently;
+* a backend the GPU refused at run time for this kind of call (:func:`refuse`: Triton out of
+  shared memory, no cuDNN plan) is skipped; the refusal was warned about once.
 
 Every distinct resolution is logged once at INFO on ``diffattn.kernels``; ``diffattn backends``
 prints the table for this machine. An explicit backend name bypasses all of this.
@@ -53,10 +55,14 @@ class Call:
     traced: bool
     """Inside ``torch.compile`` (an eager static-cache step, with its tensor query offset, is
     a decode)."""
+    head_dim: int = 0
+    """The query heads' width (0: not given)."""
+    cached: bool = False
+    """Several queries against a longer key sequence (chunked prefill over a KV cache)."""
 
     @classmethod
     def of(cls, entry: str, tensors: tuple[torch.Tensor, ...], mask: AttentionMask) -> Call:
-        q = tensors[0]
+        q, k = tensors[0], tensors[2] if entry == "diff_v1" else tensors[1]
         return cls(
             entry=entry,
             device=q.device.type,
@@ -66,6 +72,8 @@ class Call:
             padded=mask.key_padding is not None,
             custom_mask=mask.allowed is not None,
             traced=torch.compiler.is_compiling(),
+            head_dim=q.shape[-1],
+            cached=1 < q.shape[2] < k.shape[2],
         )
 
     @property
@@ -81,14 +89,18 @@ class Call:
             if self.decode
             else "train"
             if self.grad
-            else ("prefill")
+            else ("prefill" + (" over a cache" if self.cached else ""))
         )
         return base + (" + padding" if self.padded else "")
 
 
+MEASURED_CUDA_WIDTHS = (64, 128)
+"""Head widths of the CUDA measurements behind :func:`order`."""
+
+
 def order(call: Call) -> tuple[str, ...]:
     """Candidate backends for ``call``, fastest first (the measurements are in
-    ``docs/performance.md``).
+    ``docs/performance.md``, *What auto picks*).
 
     * CPU, DIFF V1, training, prefill and decode, padded or not (fp32 and bf16): ``fused``,
       the compiled kernel (QKᵀ at width d, V read once, no N×N tensor), then ``sdpa``.
@@ -98,26 +110,83 @@ def order(call: Call) -> tuple[str, ...]:
       this package computes plain softmax attention; the compiled DIFF V1 kernel, doing a
       baseline head pair's FLOPs, times level with SDPA (``docs/kernels.md``), so a one-map
       copy of it has nothing measured to gain.
-    * CUDA, every entry point: ``flash`` (flash-attn, fp16/bf16, causal and left/right
-      padding), then ``sdpa``. ``triton`` is picked only by name: its kernels have been
-      checked under Triton's CPU interpreter, never run or timed on a GPU, so they cannot be
-      the default before a GPU run shows them exact and faster than flash-attn's two calls.
+    * CUDA, from one H200 (torch 2.11+cu130, bf16; the attention op alone, 16K tokens per
+      call, N = 4096 and 16384, each figure the baseline's time over the call's, forward /
+      forward + backward):
+
+      ======================  =========  =============  ===================================
+      call                    dtype      head width     order (basis)
+      ======================  =========  =============  ===================================
+      training; prefill       bf16       64, 128        ``sdpa``, ``flash``: DIFF V1 on
+      (no padding, no cache),                           ``sdpa`` runs two native-width
+      every entry point                                 calls on cuDNN: d = 128 0.48–0.51 /
+                                                        0.42–0.43, d = 64 0.54–0.63 /
+                                                        0.61–0.66, against 0.38–0.48 /
+                                                        0.37–0.41 and 0.49–0.62 / 0.54–0.63
+                                                        zero-padded (flash-attn runs the
+                                                        padded form). Baseline and DIFF
+                                                        V2: PyTorch's own SDPA choice,
+                                                        cuDNN, is 1.0; FA2, the kernel of
+                                                        flash-attn 2, 0.50–0.51 / 0.55–0.59
+                                                        (d = 128), 0.63–0.66 / 0.64 (d = 64)
+      decode; padding;        any        any            ``flash``, ``sdpa``: not measured,
+      chunked prefill;                                  the order from before the
+      fp16; other widths                                measurement
+      fp32                    fp32       any            ``flash``, ``sdpa``: flash-attn
+                                                        takes no fp32, so ``sdpa``
+      ======================  =========  =============  ===================================
+
+      ``triton`` is picked only by name: its kernels have not been shown exact and fast on a
+      GPU, so they cannot be the default before a GPU run does.
     * anything else: ``sdpa``. ``reference`` is the last resort when nothing else runs.
     """
     if call.device == "cuda":
-        return ("flash", "sdpa")
+        return ("sdpa", "flash") if _sdpa_measured_first(call) else ("flash", "sdpa")
     fused_kernel_takes_it = not (call.custom_mask or call.traced)
     if call.device == "cpu" and call.entry == "diff_v1" and fused_kernel_takes_it:
         return ("fused", "sdpa")
     return ("sdpa",)
 
 
+def _sdpa_measured_first(call: Call) -> bool:
+    """The CUDA calls measured faster on ``sdpa`` (see :func:`order`)."""
+    unmeasured_case = call.decode or call.padded or call.custom_mask or call.traced
+    return (
+        call.dtype == torch.bfloat16
+        and call.head_dim in MEASURED_CUDA_WIDTHS
+        and not (unmeasured_case or call.cached)
+    )
+
+
 _memo: dict[Call, str] = {}
 
 
+_refused: dict[Call, dict[str, str]] = {}
+"""Backends a GPU refused at run time, per kind of call, with the reason."""
+
+
 def forget() -> None:
-    """Drop the remembered CPU resolutions (after a kernel's availability changed)."""
+    """Drop the remembered CPU resolutions and run-time refusals (after a kernel's
+    availability changed)."""
     _memo.clear()
+    _refused.clear()
+
+
+def refuse(call: Call, name: str, reason: str) -> None:
+    """Remember that the GPU refused backend ``name`` for calls like ``call``, so that
+    neither ``auto`` nor an explicit name runs such calls there again (the caller warns)."""
+    _refused.setdefault(call, {})[name] = reason
+    _memo.pop(call, None)
+
+
+def refused(call: Call) -> dict[str, str]:
+    """The backends refused for calls like ``call``, with the reasons."""
+    return _refused.get(call, {})
+
+
+def any_refused() -> bool:
+    """Whether a GPU refused any backend in this process (explicit names then check)."""
+    return bool(_refused)
 
 
 def choose(call: Call, q: torch.Tensor, k: torch.Tensor, mask: AttentionMask) -> str:
@@ -135,6 +204,8 @@ def choose(call: Call, q: torch.Tensor, k: torch.Tensor, mask: AttentionMask) ->
 def _resolve(call: Call, q: torch.Tensor, k: torch.Tensor, mask: AttentionMask) -> str:
     chosen = "reference"
     for name in order(call):
+        if name in refused(call):
+            continue
         backend = get_backend(name)
         if backend.why_unusable(q) is not None:
             continue

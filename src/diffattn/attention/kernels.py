@@ -12,9 +12,23 @@ the backend has no fused kernel for it (see :mod:`diffattn.attention.registry`).
 
 Backends, the masking rule and the GQA rule are described in :mod:`diffattn.attention.registry`,
 :mod:`diffattn.attention.mask` and the modules of :mod:`diffattn.attention.backends`.
+
+**A GPU refusing a kernel at run time** (Triton out of shared memory or failing to compile,
+cuDNN without an execution plan or SDPA without a kernel: :func:`registry.gpu_refusal`) is
+never a crash. The call runs on the next backend ``auto`` would pick for it, with one warning
+on the ``diffattn.kernels`` logger naming the backend and the error, and the refusal is
+remembered for that kind of call (:class:`auto.Call`), so it is not tried again. An explicitly
+named backend is treated the same way: the call runs where ``auto`` would run it, since every
+backend computes the same attention, so the result stays exact. Any other error, such as
+mismatched shapes, propagates. Calls traced by ``torch.compile`` are not guarded (their kernels
+run when the compiled graph does). A refusal raised by a kernel's *backward* surfaces from
+``backward()``: the forward has already returned.
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
 
 import torch
 
@@ -24,14 +38,18 @@ from diffattn.attention.backends.reference import reference_attention
 from diffattn.attention.backends.sdpa import match_head_widths, sdpa_attention
 from diffattn.attention.mask import AttentionMask
 from diffattn.attention.registry import (
+    Backend,
     backend_names,
     compose_v1,
     compose_v2,
     get_backend,
+    gpu_refusal,
     log_once,
     register_backend,
     resolve_backend,
 )
+
+logger = logging.getLogger("diffattn.kernels")
 
 __all__ = [
     "AttentionMask",
@@ -59,7 +77,50 @@ def _backend_for(name: str, entry: str, tensors: tuple, k: torch.Tensor, mask: A
     if mask.allowed is not None and not chosen.custom_masks:
         log_once(chosen.name, "custom_masks", "takes no 4-D masks; sdpa runs those calls")
         return get_backend("sdpa")
+    if auto.any_refused():
+        call = auto.Call.of(entry, tensors, mask)
+        if chosen.name in auto.refused(call):  # warned when the GPU refused it
+            return get_backend(auto.choose(call, tensors[0], k, mask))
     return chosen
+
+
+def _run(
+    name: str,
+    entry: str,
+    tensors: tuple,
+    k: torch.Tensor,
+    mask: AttentionMask,
+    kernel: Callable[[Backend], torch.Tensor],
+) -> torch.Tensor:
+    """``kernel(backend)`` on the backend the call runs on; a GPU's refusal moves the call
+    to the next backend ``auto`` would pick (see the module docstring)."""
+    chosen = _backend_for(name, entry, tensors, k, mask)
+    if torch.compiler.is_compiling():
+        return kernel(chosen)
+    while True:
+        try:
+            return kernel(chosen)
+        except Exception as error:
+            reason = gpu_refusal(error)
+            if reason is None:
+                raise
+            call = auto.Call.of(entry, tensors, mask)
+            auto.refuse(call, chosen.name, reason)
+            instead = auto.choose(call, tensors[0], k, mask)
+            if instead == chosen.name:  # nothing left to run it on
+                raise
+            logger.warning(
+                "attention backend %r was refused by the GPU for %s %s calls (%s, head width "
+                "%d): %s. These calls run on %r.",
+                chosen.name,
+                entry,
+                call.case,
+                str(call.dtype).removeprefix("torch."),
+                call.head_dim,
+                reason,
+                instead,
+            )
+            chosen = get_backend(instead)
 
 
 def softmax_attention(
@@ -80,7 +141,8 @@ def softmax_attention(
     if observers:
         call = observe.ObservedCall("softmax", layer, mask, scale, observers)
         return observe.observed_softmax(call, q, k, v), None
-    return _backend_for(backend, "softmax", (q, k, v), k, mask).softmax(q, k, v, mask, scale), None
+    out = _run(backend, "softmax", (q, k, v), k, mask, lambda b: b.softmax(q, k, v, mask, scale))
+    return out, None
 
 
 def differential_attention(
@@ -110,11 +172,15 @@ def differential_attention(
     if observers:
         call = observe.ObservedCall("diff_v1", layer, mask, scale, observers)
         return observe.observed_diff_v1(call, q1, q2, k1, k2, v, lam), None
-    chosen = _backend_for(backend, "diff_v1", (q1, q2, k1, k2, v, lam), k1, mask)
-    if chosen.diff_v1 is not None:
-        return chosen.diff_v1(q1, q2, k1, k2, v, lam, mask, scale), None
-    log_once(chosen.name, "diff_v1", "no DIFF V1 entry point; composing two softmax calls")
-    return compose_v1(chosen.softmax)(q1, q2, k1, k2, v, lam, mask, scale), None
+
+    def kernel(chosen: Backend) -> torch.Tensor:
+        diff_v1 = chosen.diff_v1
+        if diff_v1 is None:
+            log_once(chosen.name, "diff_v1", "no DIFF V1 entry point; composing two softmax calls")
+            diff_v1 = compose_v1(chosen.softmax)
+        return diff_v1(q1, q2, k1, k2, v, lam, mask, scale)
+
+    return _run(backend, "diff_v1", (q1, q2, k1, k2, v, lam), k1, mask, kernel), None
 
 
 def differential_attention_v2(
@@ -139,8 +205,12 @@ def differential_attention_v2(
         call = observe.ObservedCall("diff_v2", layer, mask, scale, observers)
         return observe.observed_diff_v2(call, q, k, v, lam, paired)
     tensors = (q, k, v) if lam is None else (q, k, v, lam)
-    chosen = _backend_for(backend, "diff_v2", tensors, k, mask)
-    if chosen.diff_v2 is not None:
-        return chosen.diff_v2(q, k, v, lam, mask, scale, paired)
-    log_once(chosen.name, "diff_v2", "no DIFF V2 entry point; composing it from softmax")
-    return compose_v2(chosen.softmax)(q, k, v, lam, mask, scale, paired)
+
+    def kernel(chosen: Backend) -> torch.Tensor:
+        diff_v2 = chosen.diff_v2
+        if diff_v2 is None:
+            log_once(chosen.name, "diff_v2", "no DIFF V2 entry point; composing it from softmax")
+            diff_v2 = compose_v2(chosen.softmax)
+        return diff_v2(q, k, v, lam, mask, scale, paired)
+
+    return _run(backend, "diff_v2", tensors, k, mask, kernel)

@@ -163,6 +163,35 @@ def resolve_backend(name: str, q: torch.Tensor, call=None, mask=None, k=None) ->
     return name
 
 
+REFUSAL_ERRORS = ("OutOfResources", "CompilationError", "PTXASError")
+"""Exception classes (by name, so Triton need not be imported) by which a GPU refuses a
+kernel: Triton's shared-memory and register limits and its compilation failures."""
+REFUSAL_MESSAGES = (
+    "no available kernel",  # SDPA found no kernel for the call among those allowed
+    "no viable backend",  # the same, on the CPU
+    "no valid execution plan",  # cuDNN built no plan for the shape
+    "cudnn_status_not_supported",
+    "only supports ampere gpus or newer",  # flash-attn on an older GPU
+    "no kernel image is available",  # a kernel not built for this GPU's architecture
+)
+"""Phrases of ``RuntimeError`` messages by which PyTorch says a GPU kernel refused a call."""
+
+
+def gpu_refusal(error: BaseException) -> str | None:
+    """A one-line account of ``error`` if it is a GPU refusing a kernel for a call (see
+    :data:`REFUSAL_ERRORS`, :data:`REFUSAL_MESSAGES`), else ``None``: a programming error,
+    such as mismatched shapes, is not a refusal and must propagate."""
+    names = {cls.__name__ for cls in type(error).__mro__}
+    text = str(error)
+    refused = bool(names & set(REFUSAL_ERRORS)) or (
+        isinstance(error, RuntimeError) and any(m in text.lower() for m in REFUSAL_MESSAGES)
+    )
+    if not refused:
+        return None
+    first_line = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{type(error).__name__}: {first_line[:300]}"
+
+
 def log_once(backend: str, entry_point: str, message: str) -> None:
     """Warn about a fallback once per (backend, entry point)."""
     if (backend, entry_point) not in _logged:

@@ -6,7 +6,9 @@ attention entry point (``softmax``: the baseline; ``diff_v1``; ``diff_v2``) and 
 (:class:`~diffattn.attention.auto.Call`: training, prefill, one-token decode, each with and
 without padding; a custom 4-D mask; a traced static-cache decode step), the backend ``auto``
 resolves to on this machine, by the same function the models call
-(:func:`diffattn.attention.auto.choose`).
+(:func:`diffattn.attention.auto.choose`), at the head width of ``--head-dim`` (``auto``'s CUDA
+order depends on it), and the route the ``sdpa`` backend takes for DIFF V1's calls (native
+widths on cuDNN, or Q and K zero-padded; :func:`diffattn.attention.backends.sdpa.diff_v1_route`).
 
 ``--time`` measures what the choice rests on: for every case it times each backend with its
 own kernel for that entry point, interleaved (each repetition runs all of them, starting one
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 from diffattn.attention import auto
+from diffattn.attention.backends.sdpa import diff_v1_route
 from diffattn.attention.kernels import (
     differential_attention,
     differential_attention_v2,
@@ -142,14 +145,19 @@ def make_call(
     return run, inputs
 
 
-def auto_choice(entry: str, case: str, device, dtype) -> str:
-    """What ``auto`` resolves a call of ``entry`` and ``case`` to here (tiny tensors, the
-    same resolution as a model's calls)."""
-    shape = Shape(seq_len=8, heads=4, kv_heads=2, batch=2)
+def _tiny_call(entry: str, case: str, device, dtype, head_dim: int):
+    """Inputs, mask and key tensor of a small call of ``entry`` and ``case``."""
+    shape = Shape(seq_len=8, heads=4, kv_heads=2, batch=2, head_dim=head_dim)
     _, inputs = make_call(entry, case, shape, device, dtype)
     decode = case.startswith("decode") or case == "traced"
     mask = _mask(case, 2, 1 if decode else 8, 8, device)
-    k = inputs[2] if entry == "diff_v1" else inputs[1]
+    return inputs, mask, inputs[2] if entry == "diff_v1" else inputs[1]
+
+
+def auto_choice(entry: str, case: str, device, dtype, head_dim: int = HEAD_DIM) -> str:
+    """What ``auto`` resolves a call of ``entry`` and ``case`` to here (small tensors, the
+    same resolution as a model's calls)."""
+    inputs, mask, k = _tiny_call(entry, case, device, dtype, head_dim)
     with torch.set_grad_enabled(case.startswith("train")):
         call = auto.Call.of(entry, inputs, mask)
     if case == "traced":  # what a call inside torch.compile sees
@@ -157,13 +165,21 @@ def auto_choice(entry: str, case: str, device, dtype) -> str:
     return auto.choose(call, inputs[0], k, mask)
 
 
+def sdpa_diff_v1_route(case: str, device, dtype, head_dim: int = HEAD_DIM) -> str:
+    """The route the ``sdpa`` backend takes for DIFF V1 calls of ``case`` here."""
+    inputs, mask, k = _tiny_call("diff_v1", case, device, dtype, head_dim)
+    with torch.set_grad_enabled(case.startswith("train")):
+        return diff_v1_route(inputs[0], k, inputs[4], mask)
+
+
 def usable_here(name: str, device, dtype) -> str | None:
     """Why backend ``name`` cannot run on ``device``/``dtype`` here, or ``None``."""
     return get_backend(name).why_unusable(torch.empty(0, device=device, dtype=dtype))
 
 
-def listing(device: str, dtypes: list[str]) -> str:
-    """The backends and ``auto``'s table for ``device`` in each of ``dtypes``."""
+def listing(device: str, dtypes: list[str], head_dim: int = HEAD_DIM) -> str:
+    """The backends and ``auto``'s table for ``device`` in each of ``dtypes``, at heads of
+    width ``head_dim``, with the route of ``sdpa``'s DIFF V1 calls."""
     lines = [f"attention backends on {device} (torch {torch.__version__}):"]
     for name in backend_names():
         if name == "auto":
@@ -173,11 +189,15 @@ def listing(device: str, dtypes: list[str]) -> str:
         state = "usable" if why is None else f"not usable: {why}"
         lines.append(f"  {name:<10} {state}; {backend.description}")
     for dtype in dtypes:
-        lines += ["", f"auto on {device}, {dtype}:"]
+        lines += ["", f"auto on {device}, {dtype}, heads of width {head_dim}:"]
         lines.append((f"  {'call':<19}" + "".join(f"{e:<10}" for e in auto.ENTRIES)).rstrip())
         for case in CASES:
-            picks = [auto_choice(e, case, device, DTYPES[dtype]) for e in auto.ENTRIES]
+            picks = [auto_choice(e, case, device, DTYPES[dtype], head_dim) for e in auto.ENTRIES]
             lines.append((f"  {case:<19}" + "".join(f"{p:<10}" for p in picks)).rstrip())
+        lines.append(f"sdpa's DIFF V1 calls on {device}, {dtype}:")
+        for case in ("train", "prefill", "decode"):
+            route = sdpa_diff_v1_route(case, device, DTYPES[dtype], head_dim)
+            lines.append(f"  {case:<19}{route}")
     return "\n".join(lines)
 
 
@@ -239,7 +259,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=8, help="--time: baseline query heads")
     parser.add_argument("--kv-heads", type=int, default=None, help="--time: default --heads")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="--time: head width")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head width")
     parser.add_argument("--repeats", type=int, default=5, help="--time: timed repetitions")
     parser.add_argument(
         "--reference", action="store_true", help="--time: time the reference kernel too"
@@ -272,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype]
     if not args.time:
-        print(listing(args.device, dtypes))
+        print(listing(args.device, dtypes, args.head_dim))
         return 0
     shape = Shape(args.seq_len, args.heads, args.kv_heads or args.heads, args.batch, args.head_dim)
     records = []
