@@ -189,7 +189,8 @@ def our_candidates(
         if config.backend == "auto":  # resolved per call: what each mode's calls run on
             entry = ENTRY_OF[config.attention]
             mode_kernels = {
-                mode: auto_choice(entry, case, device, dtype) for mode, case in MODE_CASES.items()
+                mode: auto_choice(entry, case, device, dtype, config.dim_per_head)
+                for mode, case in MODE_CASES.items()
             }
             kernel = mode_kernels["fwd+bwd"]
         else:
