@@ -12,6 +12,7 @@ The supported range is stated in ``pyproject.toml`` and tested at both ends
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -238,6 +239,54 @@ def strip_paged_prefix(attn_implementation: str | None) -> str | None:
     return attn_implementation
 
 
+def _continuous_batching_config_class() -> type | None:
+    """transformers' ``ContinuousBatchingConfig`` (5.x after 5.0; ``None`` in 5.0, whose
+    settings live on the ``GenerationConfig`` and which has no block-table decode path)."""
+    import transformers
+
+    return getattr(transformers, "ContinuousBatchingConfig", None)
+
+
+def with_paged_batching_defaults(
+    model: Any, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]]:
+    """The arguments of ``init_continuous_batching`` with the two settings diffattn's paged
+    forward needs (:mod:`diffattn.hf.paged`): no block-table decode path
+    (``max_blocks_per_request=0``) and no CUDA graphs (``use_cuda_graph=False``: the forward
+    groups requests by their lengths, read on the host). Other settings are kept; a
+    ``ContinuousBatchingConfig`` that asks for either is a ``ValueError`` naming the field.
+    Releases without ``ContinuousBatchingConfig`` get the arguments unchanged."""
+    config_class = _continuous_batching_config_class()
+    if config_class is None:
+        return args, kwargs
+    from transformers import GenerationMixin
+
+    bound = inspect.signature(GenerationMixin.init_continuous_batching).bind(model, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop("self", None)
+    config = arguments.get("continuous_batching_config")
+    if config is None:
+        generation = arguments.get("generation_config") or model.generation_config
+        config = getattr(generation, "continuous_batching_config", None)
+    config = config_class() if not isinstance(config, config_class) else copy.deepcopy(config)
+    if config.max_blocks_per_request:
+        raise ValueError(
+            f"ContinuousBatchingConfig(max_blocks_per_request={config.max_blocks_per_request}) "
+            "asks for the block-table decode path, which diffattn models do not take; leave it "
+            "unset or 0"
+        )
+    graphs = config.use_cuda_graph
+    if graphs is True or (isinstance(graphs, tuple) and any(graphs)):
+        raise ValueError(
+            f"ContinuousBatchingConfig(use_cuda_graph={graphs}): diffattn models run continuous "
+            "batching without CUDA graphs; leave it unset or False"
+        )
+    config.max_blocks_per_request = 0
+    config.use_cuda_graph = False
+    arguments["continuous_batching_config"] = config
+    return (), arguments
+
+
 # The arguments each supported release passes to ``create_masks_for_generate``, by name. A
 # name outside this set is a new release's addition that diffattn has not been checked
 # against: an error, not a silent guess.
@@ -350,4 +399,5 @@ __all__ = [
     "resolve_cache_argument",
     "strip_paged_prefix",
     "update_cache",
+    "with_paged_batching_defaults",
 ]

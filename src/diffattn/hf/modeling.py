@@ -47,6 +47,7 @@ from diffattn.hf.compat import (
     resolve_cache_argument,
     strip_paged_prefix,
     update_cache,
+    with_paged_batching_defaults,
 )
 from diffattn.hf.configuration import DiffAttnConfig
 from diffattn.hf.paged import (
@@ -282,6 +283,14 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             if max_len is not None:  # pre-allocated: one mask shape for every step
                 return spanning_mask(attention_mask, max_len)
         return attention_mask
+
+    def init_continuous_batching(self, *args: Any, **kwargs: Any):
+        """HF's continuous-batching manager (``generate_batch`` and ``transformers serve`` build
+        theirs here), with the block-table decode path and CUDA graphs off, which the paged
+        forward does not take (:func:`~diffattn.hf.compat.with_paged_batching_defaults`; a
+        config asking for them is refused). Arguments as in HF's method, all passed on."""
+        args, kwargs = with_paged_batching_defaults(self, args, kwargs)
+        return super().init_continuous_batching(*args, **kwargs)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

@@ -238,6 +238,11 @@ def paged_forward(
             f"{tuple(input_ids.shape)}; got "
             f"{None if position_ids is None else tuple(position_ids.shape)}"
         )
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "diffattn models run continuous batching without CUDA graphs (requests are grouped "
+            "by their lengths on the host): set use_cuda_graph=False"
+        )
     device = input_ids.device
     logits = None
     for group in group_by_length(requests_of(arguments)):
