@@ -16,10 +16,9 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers)")
+from helpers import ATTENTIONS, tiny_diffattn
 
-import transformers  # noqa: E402
-from helpers import ATTENTIONS, tiny_diffattn  # noqa: E402
+transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers)")
 
 from diffattn.generation import generate as diffattn_generate  # noqa: E402
 from diffattn.hf import DiffAttnForCausalLM  # noqa: E402
