@@ -101,12 +101,13 @@ def reference_tokens(hf: DiffAttnForCausalLM, prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_generate_batch_equals_generate_for_every_request(attention):
     hf = hf_model(attention)
-    prompts = [*PROMPTS, PROMPTS[2]]  # the same prompt twice, among others
-    generation, sizes = batching(max_requests=3)  # five requests, at most three per batch
+    # the same prompts twice, among others (the long one's full pages can be shared)
+    prompts = [*PROMPTS, PROMPTS[2], PROMPTS[0]]
+    generation, sizes = batching(max_requests=3)  # six requests, at most three per batch
     results = hf.generate_batch(prompts, generation_config=generation, **sizes)
     expected = expected_by_prompt(hf, prompts)
     assert outputs_by_prompt(results, prompts) == expected
-    assert len(expected[tuple(PROMPTS[2])]) == 2
+    assert len(expected[tuple(PROMPTS[2])]) == len(expected[tuple(PROMPTS[0])]) == 2
     assert len({tuple(e[0]) for e in expected.values()}) == 4  # distinct prompts differ
 
 
