@@ -124,7 +124,10 @@ def collect(manager, request_ids: set[str], deadline: float) -> dict[str, list[i
     return finished
 
 
-@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize(
+    "attention",  # DIFF V1 by default (two maps, split values); the others with the slow tests
+    [pytest.param(a, marks=pytest.mark.slow) if a != "diff_v1" else a for a in ATTENTIONS],
+)
 def test_manager_requests_added_while_others_decode(attention):
     """The manager API that servers use: a first request starts decoding, then others of
     different lengths arrive; every request still gets ``generate``'s tokens."""
@@ -172,6 +175,7 @@ def test_block_table_and_cuda_graph_settings_are_refused_with_the_field_named():
             hf.init_continuous_batching(generation, continuous_batching_config=config)
 
 
+@pytest.mark.slow
 def test_eager_runs_as_paged_eager_on_the_reference_kernel():
     """Continuous batching switches ``eager`` to ``paged|eager``; that is diffattn's reference
     kernel, and the model returns to ``eager`` afterwards."""
