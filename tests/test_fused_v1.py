@@ -117,6 +117,21 @@ def test_fused_with_a_cache_offset_matches_reference(n_new, padded):
     _assert_matches_reference(_inputs(2, 4, 2, n_new, s), mask)
 
 
+@pytest.mark.parametrize("gqa", [1, 2])
+def test_one_key_views_with_any_position_stride_match_reference(gqa):
+    """A length-1 key axis may carry any stride (a one-token request's keys read out of a paged
+    cache, a transposed buffer): ``contiguous()`` leaves such a tensor as it is, so the compiled
+    kernel's row check must not depend on it."""
+    q1, q2, _, _, _, lam = _inputs(2, 2 * gqa, 2, 1, 1)
+
+    def one_position(width):  # (B, H_kv, 1, width) whose position stride is 1, not width
+        return torch.randn(2, 2, width, 1).transpose(2, 3).requires_grad_()
+
+    k1, k2, v = one_position(D), one_position(D), one_position(2 * D)
+    assert k1.is_contiguous() and k1.stride(2) == 1
+    _assert_matches_reference((q1, q2, k1, k2, v, lam), AttentionMask())
+
+
 def test_fused_with_a_custom_mask_matches_reference():
     n = 23
     allowed = torch.rand(2, 1, n, n) < 0.6

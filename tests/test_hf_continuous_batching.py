@@ -16,12 +16,15 @@ import time
 import pytest
 import torch
 
+from extras import require_extra
 from helpers import ATTENTIONS, tiny_diffattn
 
-transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra (transformers)")
+pytestmark = require_extra("hf")
 
-from diffattn.generation import generate as diffattn_generate  # noqa: E402
-from diffattn.hf import DiffAttnForCausalLM  # noqa: E402
+import transformers
+
+from diffattn.generation import generate as diffattn_generate
+from diffattn.hf import DiffAttnForCausalLM
 
 PAGE = 4
 """Tokens per page of the paged cache: the longer prompts span several pages."""

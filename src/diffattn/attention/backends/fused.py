@@ -236,9 +236,19 @@ def _keys_and_values(compiled: bool, *tensors: torch.Tensor) -> tuple[torch.Tens
     out = []
     for x in tensors:
         x = x.float()
-        rows_contiguous = x.stride(3) == 1 and x.stride(2) == x.shape[3]
-        out.append(x if compiled and rows_contiguous else x.contiguous())
+        if compiled and _rows_contiguous(x):
+            out.append(x)
+            continue
+        x = x.contiguous()
+        if not _rows_contiguous(x):  # a length-1 axis keeps any stride through contiguous()
+            x = x.clone(memory_format=torch.contiguous_format)
+        out.append(x)
     return tuple(out)
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """Each position's features are one contiguous row (what the compiled kernel checks)."""
+    return x.stride(3) == 1 and x.stride(2) == x.shape[3]
 
 
 def _rows_of(x: torch.Tensor, n_kv: int) -> torch.Tensor:
