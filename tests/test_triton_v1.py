@@ -1,6 +1,7 @@
 """The ``triton`` DIFF V1 backend: its kernel cases (``triton_v1_cases.py``) run in a child
 process under ``TRITON_INTERPRET=1`` (set before triton is imported there; CPU, small shapes),
-and on CUDA where there is a GPU; the registry entry and its availability rule."""
+and on CUDA where there is a GPU; the shared-memory pruning of its launch configurations; the
+registry entry and its availability rule."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import pytest
 import torch
 
 from diffattn.attention import kernels, registry
+from diffattn.attention.triton_diff_v1 import configs
 
 CASES = Path(__file__).with_name("triton_v1_cases.py")
+H100_SHARED_MEMORY = 232448  # 227 KB: what Triton reports for an H100 / H200
 
 
 def _run_cases(interpret: bool, *selection: str) -> None:
@@ -28,10 +31,24 @@ def _run_cases(interpret: bool, *selection: str) -> None:
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("selection", ["not 129 and not half", "129", "half"])
+@pytest.mark.parametrize(
+    "selection",
+    [
+        "matches_reference and not 129",
+        "matches_reference and 129",
+        "every_head_width",
+        "synchronisation or compiled or opcheck or bad_lambda",
+    ],
+)
 def test_triton_kernels_under_the_interpreter(selection):
     pytest.importorskip("triton")
     _run_cases(True, "-k", selection)
+
+
+@pytest.mark.slow
+def test_triton_kernels_at_the_papers_widths_over_many_tiles_under_the_interpreter():
+    pytest.importorskip("triton")
+    _run_cases(True, "-k", "many_tiles")
 
 
 @pytest.mark.gpu
@@ -39,6 +56,55 @@ def test_triton_kernels_under_the_interpreter(selection):
 def test_triton_kernels_on_cuda():
     pytest.importorskip("triton")
     _run_cases(False)
+
+
+def _fits(kernel, d, dtype_size, limit, candidates=configs.CANDIDATES):
+    return configs.fitting_configs(kernel, candidates, d, 2 * d, dtype_size, limit)
+
+
+@pytest.mark.parametrize("kernel", [configs.FORWARD, configs.BACKWARD_KV, configs.BACKWARD_Q])
+def test_pruning_keeps_only_configs_that_fit(kernel):
+    for limit in (H100_SHARED_MEMORY, 100 * 1024):
+        kept = _fits(kernel, 128, 2, limit)
+        assert kept and all(
+            configs.shared_memory_bytes(kernel, c, 128, 256, 2) <= limit for c in kept
+        )
+        dropped = set(configs.CANDIDATES) - set(kept)
+        assert all(configs.shared_memory_bytes(kernel, c, 128, 256, 2) > limit for c in dropped)
+    # d = 128 in bf16 cannot take the largest tiles on either device; d = 32 takes them all
+    assert configs.CANDIDATES[0] not in _fits(kernel, 128, 2, H100_SHARED_MEMORY)
+    assert _fits(kernel, 32, 2, H100_SHARED_MEMORY) == list(configs.CANDIDATES)
+    # a smaller device keeps fewer configs, fp32 fewer than bf16
+    assert len(_fits(kernel, 128, 2, 100 * 1024)) < len(_fits(kernel, 128, 2, H100_SHARED_MEMORY))
+    assert len(_fits(kernel, 128, 4, H100_SHARED_MEMORY)) < len(
+        _fits(kernel, 128, 2, H100_SHARED_MEMORY)
+    )
+
+
+def test_the_measured_failure_is_pruned():
+    """The launch that failed on an H200 (d = 128, bf16, blocks of 64, 3 stages: 272 KB of
+    shared memory) is estimated over the limit; the same blocks with 2 stages fit."""
+    failed = configs.LaunchConfig(64, 64, 4, 3)
+    assert configs.shared_memory_bytes(configs.FORWARD, failed, 128, 256, 2) > H100_SHARED_MEMORY
+    two_stages = configs.LaunchConfig(64, 64, 4, 2)
+    assert (
+        configs.shared_memory_bytes(configs.FORWARD, two_stages, 128, 256, 2) <= H100_SHARED_MEMORY
+    )
+
+
+def test_pruning_falls_back_to_the_smallest_tiles_then_fails_clearly():
+    big = (configs.LaunchConfig(128, 128, 8, 4),)
+    small_limit = configs.shared_memory_bytes(configs.FORWARD, configs.SMALLEST, 128, 256, 4)
+    assert _fits(configs.FORWARD, 128, 4, small_limit, big) == [configs.SMALLEST]
+    with pytest.raises(ValueError, match=r"shared memory.*head width 128"):
+        _fits(configs.FORWARD, 128, 4, small_limit - 1, big)
+
+
+def test_every_width_and_dtype_has_a_config_on_a_100_kb_device():
+    for d in (32, 64, 128):
+        for size in (2, 4):
+            for kernel in (configs.FORWARD, configs.BACKWARD_KV, configs.BACKWARD_Q):
+                assert _fits(kernel, d, size, 100 * 1024)
 
 
 def test_registry_lists_triton_and_says_when_it_cannot_run():

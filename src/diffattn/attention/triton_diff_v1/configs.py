@@ -1,12 +1,13 @@
 """Launch configurations of the Triton DIFF V1 kernels and their shared-memory budget.
 
 Pure Python (no Triton import), so the pruning rule is unit-tested without a GPU. Each kernel
-keeps one block of rows in registers/shared memory for the whole program (the *fixed* block:
-the query block of the forward and dQ kernels, the key block of the dK/dV kernel) and streams
-the other (the *looped* block) through ``num_stages`` shared-memory buffers. A config's use is
-estimated from those tiles (``rows × (2d + 2d)`` elements: Q1/Q2 or K1/K2 at width d and
-V or dO at width 2d), the ``BLOCK_M × BLOCK_N`` probability tiles staged for the second dot of
-each map, and a margin for layout conversions; configs above the device's limit are dropped.
+keeps one block of rows for the whole program (the *fixed* block: the query block of the
+forward and dQ kernels, the key block of the dK/dV kernel) and streams the other (the
+*looped* block) through ``num_stages`` shared-memory buffers. A config's use is estimated
+from those tiles (``rows × (2d + 2d)`` elements: Q1/Q2 or K1/K2 at width d and V or dO at
+width 2d; the forward's fixed block holds only Q1 and Q2), the ``BLOCK_M × BLOCK_N``
+probability tiles staged for the second dot of each map, and a margin for layout
+conversions; configs above the device's limit are dropped.
 """
 
 from __future__ import annotations
@@ -40,18 +41,21 @@ class KernelTiles:
     """Which tiles of a kernel live in shared memory.
 
     ``fixed`` is ``"m"`` when the query block stays for the whole program (forward, dQ) and
-    ``"n"`` when the key block does (dK/dV); ``staged_maps`` counts the ``BLOCK_M × BLOCK_N``
-    tiles that feed a second dot (P1, P2 in the forward; P, dS1, dS2 in dK/dV; dS1, dS2 in dQ).
+    ``"n"`` when the key block does (dK/dV); ``fixed_width_2d`` whether the fixed block has a
+    2d-wide tile besides its two d-wide ones (V or dO: not in the forward, whose fixed tiles
+    are Q1 and Q2); ``staged_maps`` counts the ``BLOCK_M × BLOCK_N`` tiles that feed a second
+    dot (P1, P2 in the forward; P, dS1, dS2 in dK/dV; dS1, dS2 in dQ).
     """
 
     name: str
     fixed: str
+    fixed_width_2d: bool
     staged_maps: int
 
 
-FORWARD = KernelTiles("forward", fixed="m", staged_maps=2)
-BACKWARD_KV = KernelTiles("backward dK/dV", fixed="n", staged_maps=3)
-BACKWARD_Q = KernelTiles("backward dQ", fixed="m", staged_maps=2)
+FORWARD = KernelTiles("forward", fixed="m", fixed_width_2d=False, staged_maps=2)
+BACKWARD_KV = KernelTiles("backward dK/dV", fixed="n", fixed_width_2d=True, staged_maps=3)
+BACKWARD_Q = KernelTiles("backward dQ", fixed="m", fixed_width_2d=True, staged_maps=2)
 
 CANDIDATES = (
     LaunchConfig(128, 64, 8, 3),
@@ -91,7 +95,8 @@ def shared_memory_bytes(
         else (config.block_n, config.block_m)
     )
     row_elements = 2 * d + dv
-    tiles = fixed * row_elements + max(1, config.num_stages) * looped * row_elements
+    fixed_elements = row_elements if kernel.fixed_width_2d else 2 * d
+    tiles = fixed * fixed_elements + max(1, config.num_stages) * looped * row_elements
     tiles += kernel.staged_maps * config.block_m * config.block_n
     return int(tiles * element_size * SHARED_MEMORY_MARGIN)
 
