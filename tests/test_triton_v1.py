@@ -107,6 +107,17 @@ def test_every_width_and_dtype_has_a_config_on_a_100_kb_device():
                 assert _fits(kernel, d, size, 100 * 1024)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_timing_says_it_needs_cuda(capsys):
+    pytest.importorskip("triton")
+    from diffattn.attention.triton_diff_v1 import timing
+
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        timing.time_against_sdpa()
+    timing.main()
+    assert capsys.readouterr().out.startswith("no CUDA")
+
+
 def test_registry_lists_triton_and_says_when_it_cannot_run():
     assert "triton" in registry.backend_names()
     backend = registry.get_backend("triton")
