@@ -9,9 +9,10 @@ constexpr: a ``for`` loop (software-pipelined by Triton on a GPU) and, under the
 an equivalent ``while`` loop. Triton's interpreter up to 3.6 converts a runtime loop bound
 with ``int()`` of a one-element array, which NumPy ≥ 2.4 refuses; its ``while`` condition
 takes ``bool()``, which NumPy allows.
-"""
 
-from __future__ import annotations
+This module has no ``from __future__ import annotations``: the interpreter of Triton 3.0 and
+3.1 recognises a ``tl.constexpr`` parameter only by its evaluated annotation.
+"""
 
 import functools
 
