@@ -119,6 +119,34 @@ def test_triton_with_a_cache_offset_matches_reference(n_new, padded, offset_kind
     _assert_matches_reference(inputs, _mask(key_padding, offset))
 
 
+def test_strided_views_as_the_model_makes_them():
+    """Q1/Q2 and K1/K2 as alternate heads of one (B, N, heads, d) projection seen as
+    (B, heads, N, d), V transposed the same way: read in place, no copies needed."""
+
+    def projection(heads, n, width):
+        x = torch.randn(2, n, heads, width, device=DEVICE).transpose(1, 2)
+        return x.detach().requires_grad_()
+
+    q, k = projection(8, 7, 32), projection(4, 7, 32)
+    v = projection(2, 7, 64)
+    lam = torch.tensor(0.37, device=DEVICE, requires_grad=True)
+
+    def attend(leaves, mask):
+        q, k, v, lam = leaves
+        inputs = (q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2], v, lam)
+        return kernels.differential_attention(*inputs, mask, 32**-0.5, "triton")[0]
+
+    mask = _mask(_padding("holes", 2, 7))
+    out = attend((q, k, v, lam), mask)
+    dense = tuple(x.detach().contiguous().requires_grad_() for x in (q, k, v, lam))
+    expected = attend(dense, mask)
+    assert not q[:, 0::2].is_contiguous() and torch.allclose(out, expected, atol=1e-6)
+    grads = torch.autograd.grad(out.sum(), (q, k, v, lam))
+    grads_dense = torch.autograd.grad(expected.sum(), dense)
+    for g, g_dense in zip(grads, grads_dense, strict=True):
+        assert torch.allclose(g, g_dense, atol=1e-5)
+
+
 def test_no_host_synchronisation(monkeypatch):
     """λ, the padding and a tensor offset stay on the device: reading any tensor on the host
     (``item``, ``float``, ``int``, ``bool``) during forward and backward fails the test."""

@@ -90,11 +90,12 @@ def _allowed(offs_m, offs_n, n_q, n_k, offset, kp_ptr, HAS_PADDING: tl.constexpr
 
 
 @triton.jit
-def _tile(ptr, head, offs_r, n_rows, offs_c, WIDTH: tl.constexpr, DOT: tl.constexpr):
-    # Rows offs_r of head `head` of a contiguous (heads, n_rows, WIDTH) tensor, zero-padded.
+def _tile(base, offs_r, n_rows, stride_r, offs_c, WIDTH: tl.constexpr, DOT: tl.constexpr):
+    # Rows offs_r of one head (at `base`, rows `stride_r` apart, columns contiguous),
+    # zero-padded past n_rows and WIDTH.
     mask = (offs_r[:, None] < n_rows) & (offs_c[None, :] < WIDTH)
-    offsets = (head * n_rows + offs_r[:, None]) * WIDTH + offs_c[None, :]
-    return tl.load(ptr + offsets, mask=mask, other=0.0).to(DOT)
+    offsets = offs_r[:, None] * stride_r + offs_c[None, :]
+    return tl.load(base + offsets, mask=mask, other=0.0).to(DOT)
 
 
 @triton.jit
@@ -114,16 +115,16 @@ def _query_offset(offset, offset_ptr, OFFSET_IN_MEMORY: tl.constexpr):
 
 @triton.jit
 def _fwd_step(
-    start_n, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, kv, kp,
+    start_n, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, kp,
     offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     # One key tile of both online softmaxes (base 2: scores carry the factor log2 e).
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k1 = _tile(k1_ptr, kv, offs_n, n_k, offs_d, D, DOT)
-    k2 = _tile(k2_ptr, kv, offs_n, n_k, offs_d, D, DOT)
-    v = _tile(v_ptr, kv, offs_n, n_k, offs_v, DV, DOT)
+    k1 = _tile(k1_ptr, offs_n, n_k, skn, offs_d, D, DOT)
+    k2 = _tile(k2_ptr, offs_n, n_k, skn, offs_d, D, DOT)
+    v = _tile(v_ptr, offs_n, n_k, svn, offs_v, DV, DOT)
     s1 = tl.dot(q1, tl.trans(k1), input_precision=PRECISION) * qk_scale
     s2 = tl.dot(q2, tl.trans(k2), input_precision=PRECISION) * qk_scale
     if MASKED:
@@ -147,7 +148,7 @@ def _fwd_step(
 
 @triton.jit
 def _fwd_loop(
-    lo, hi, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, kv, kp,
+    lo, hi, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, kp,
     offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
@@ -157,7 +158,7 @@ def _fwd_loop(
         start_n = lo
         while start_n < hi:
             acc1, acc2, m1, m2, l1, l2 = _fwd_step(
-                start_n, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, kv, kp,
+                start_n, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, kp,
                 offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
                 D, DV, BLOCK_N, MASKED, HAS_PADDING, PRECISION, DOT,
             )  # fmt: skip
@@ -165,7 +166,7 @@ def _fwd_loop(
     else:
         for start_n in range(lo, hi, BLOCK_N):
             acc1, acc2, m1, m2, l1, l2 = _fwd_step(
-                start_n, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, kv, kp,
+                start_n, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, kp,
                 offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
                 D, DV, BLOCK_N, MASKED, HAS_PADDING, PRECISION, DOT,
             )  # fmt: skip
@@ -187,6 +188,7 @@ def _key_bounds(pid_m, n_k, offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 def _diff_v1_fwd(
     q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, lam_ptr, kp_ptr, offset_ptr,
     o_ptr, o2_ptr, l1_ptr, l2_ptr,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
     scale, n_q, n_k, offset, q_class,
     H: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_PADDING: tl.constexpr,
@@ -196,15 +198,21 @@ def _diff_v1_fwd(
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
-    kv = b * (H // REP) + (pid_bh % H) // REP
+    h = pid_bh % H
+    # inputs may be strided views (rows and heads apart); outputs are contiguous
+    q1_ptr += b * sqb + h * sqh
+    q2_ptr += b * sqb + h * sqh
+    k1_ptr += b * skb + (h // REP) * skh
+    k2_ptr += b * skb + (h // REP) * skh
+    v_ptr += b * svb + (h // REP) * svh
     offset = _query_offset(offset, offset_ptr, OFFSET_IN_MEMORY)
     lam = tl.load(lam_ptr).to(tl.float32)
     qk_scale = scale * 1.4426950408889634
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_v = tl.arange(0, BLOCK_DV)
-    q1 = _tile(q1_ptr, pid_bh, offs_m, n_q, offs_d, D, DOT)
-    q2 = _tile(q2_ptr, pid_bh, offs_m, n_q, offs_d, D, DOT)
+    q1 = _tile(q1_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
+    q2 = _tile(q2_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l1 = tl.zeros([BLOCK_M], tl.float32)
@@ -214,12 +222,12 @@ def _diff_v1_fwd(
     kp = kp_ptr + b * n_k
     full, hi = _key_bounds(pid_m, n_k, offset, BLOCK_M, BLOCK_N)
     acc1, acc2, m1, m2, l1, l2 = _fwd_loop(
-        0, full, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, kv, kp,
+        0, full, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, kp,
         offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
         D, DV, BLOCK_N, HAS_PADDING, HAS_PADDING, PRECISION, DOT, LOOP_AS_WHILE,
     )  # fmt: skip
     acc1, acc2, m1, m2, l1, l2 = _fwd_loop(
-        full, hi, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, kv, kp,
+        full, hi, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, kp,
         offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
         D, DV, BLOCK_N, True, HAS_PADDING, PRECISION, DOT, LOOP_AS_WHILE,
     )  # fmt: skip
@@ -262,15 +270,15 @@ def _probs_and_dp(
 
 @triton.jit
 def _kv_step(
-    start_m, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr,
+    start_m, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr, sqn, son,
     l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k, offset, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q1 = _tile(q1_ptr, bh, offs_m, n_q, offs_d, D, DOT)
-    q2 = _tile(q2_ptr, bh, offs_m, n_q, offs_d, D, DOT)
-    do = _tile(do_ptr, bh, offs_m, n_q, offs_v, DV, DOT)
+    q1 = _tile(q1_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
+    q2 = _tile(q2_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
+    do = _tile(do_ptr, offs_m, n_q, son, offs_v, DV, DOT)
     p1, p2, ds1, ds2 = _probs_and_dp(
         q1, q2, k1, k2, v, do, bh * n_q + offs_m, offs_m, offs_n, n_q, n_k, offset, kp,
         qk_scale, l1_ptr, l2_ptr, r1_ptr, r2_ptr, MASKED, HAS_PADDING, PRECISION,
@@ -284,7 +292,7 @@ def _kv_step(
 
 @triton.jit
 def _kv_loop(
-    lo, hi, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr,
+    lo, hi, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr, sqn, son,
     l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k, offset, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
@@ -294,7 +302,7 @@ def _kv_loop(
         start_m = lo
         while start_m < hi:
             dk1, dk2, dv = _kv_step(
-                start_m, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr,
+                start_m, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr, sqn, son,
                 l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k, offset,
                 qk_scale, D, DV, BLOCK_M, MASKED, HAS_PADDING, PRECISION, DOT,
             )  # fmt: skip
@@ -302,7 +310,7 @@ def _kv_loop(
     else:
         for start_m in range(lo, hi, BLOCK_M):
             dk1, dk2, dv = _kv_step(
-                start_m, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr,
+                start_m, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr, sqn, son,
                 l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k, offset,
                 qk_scale, D, DV, BLOCK_M, MASKED, HAS_PADDING, PRECISION, DOT,
             )  # fmt: skip
@@ -314,6 +322,7 @@ def _kv_loop(
 def _diff_v1_bwd_kv(
     q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, lam_ptr, kp_ptr, offset_ptr,
     do_ptr, l1_ptr, l2_ptr, r1_ptr, r2_ptr, dk1_ptr, dk2_ptr, dv_ptr,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
     scale, n_q, n_k, offset, q_class,
     H: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_PADDING: tl.constexpr,
@@ -323,15 +332,19 @@ def _diff_v1_bwd_kv(
     pid_n = tl.program_id(0)
     kv = tl.program_id(1)  # b * H_kv + kv head
     b = kv // (H // REP)
+    kv_head = kv % (H // REP)
+    k1_ptr += b * skb + kv_head * skh
+    k2_ptr += b * skb + kv_head * skh
+    v_ptr += b * svb + kv_head * svh
     offset = _query_offset(offset, offset_ptr, OFFSET_IN_MEMORY)
     lam = tl.load(lam_ptr).to(tl.float32)
     qk_scale = scale * 1.4426950408889634
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_v = tl.arange(0, BLOCK_DV)
-    k1 = _tile(k1_ptr, kv, offs_n, n_k, offs_d, D, DOT)
-    k2 = _tile(k2_ptr, kv, offs_n, n_k, offs_d, D, DOT)
-    v = _tile(v_ptr, kv, offs_n, n_k, offs_v, DV, DOT)
+    k1 = _tile(k1_ptr, offs_n, n_k, skn, offs_d, D, DOT)
+    k2 = _tile(k2_ptr, offs_n, n_k, skn, offs_d, D, DOT)
+    v = _tile(v_ptr, offs_n, n_k, svn, offs_v, DV, DOT)
     dk1 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dk2 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -341,15 +354,19 @@ def _diff_v1_bwd_kv(
     full = tl.cdiv(tl.maximum((pid_n + 1) * BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M
     full = tl.maximum(full, lo)
     for g in range(REP):  # the query heads of this KV head's group
-        bh = b * H + (kv % (H // REP)) * REP + g
+        h = kv_head * REP + g
+        bh = b * H + h
+        q1_head = q1_ptr + b * sqb + h * sqh
+        q2_head = q2_ptr + b * sqb + h * sqh
+        do_head = do_ptr + b * sob + h * soh
         dk1, dk2, dv = _kv_loop(
-            lo, tl.minimum(full, n_q), bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr,
-            do_ptr, l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k,
+            lo, tl.minimum(full, n_q), bh, k1, k2, v, dk1, dk2, dv, lam, q1_head, q2_head,
+            do_head, sqn, son, l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k,
             offset, qk_scale, D, DV, BLOCK_M, True, HAS_PADDING, PRECISION, DOT, LOOP_AS_WHILE,
         )  # fmt: skip
         dk1, dk2, dv = _kv_loop(
-            full, n_q, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr,
-            do_ptr, l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k,
+            full, n_q, bh, k1, k2, v, dk1, dk2, dv, lam, q1_head, q2_head,
+            do_head, sqn, son, l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k,
             offset, qk_scale, D, DV, BLOCK_M, HAS_PADDING, HAS_PADDING, PRECISION, DOT,
             LOOP_AS_WHILE,
         )  # fmt: skip
@@ -360,15 +377,15 @@ def _diff_v1_bwd_kv(
 
 @triton.jit
 def _q_step(
-    start_n, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, kv, row,
+    start_n, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, skn, svn, row,
     l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    k1 = _tile(k1_ptr, kv, offs_n, n_k, offs_d, D, DOT)
-    k2 = _tile(k2_ptr, kv, offs_n, n_k, offs_d, D, DOT)
-    v = _tile(v_ptr, kv, offs_n, n_k, offs_v, DV, DOT)
+    k1 = _tile(k1_ptr, offs_n, n_k, skn, offs_d, D, DOT)
+    k2 = _tile(k2_ptr, offs_n, n_k, skn, offs_d, D, DOT)
+    v = _tile(v_ptr, offs_n, n_k, svn, offs_v, DV, DOT)
     _, _, ds1, ds2 = _probs_and_dp(
         q1, q2, k1, k2, v, do, row, offs_m, offs_n, n_q, n_k, offset, kp, qk_scale,
         l1_ptr, l2_ptr, r1_ptr, r2_ptr, MASKED, HAS_PADDING, PRECISION,
@@ -380,7 +397,7 @@ def _q_step(
 
 @triton.jit
 def _q_loop(
-    lo, hi, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, kv, row,
+    lo, hi, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, skn, svn, row,
     l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
@@ -390,7 +407,7 @@ def _q_loop(
         start_n = lo
         while start_n < hi:
             dq1, dq2 = _q_step(
-                start_n, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, kv, row,
+                start_n, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, skn, svn, row,
                 l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_m, offs_d, offs_v, n_q, n_k, offset,
                 qk_scale, D, DV, BLOCK_N, MASKED, HAS_PADDING, PRECISION, DOT,
             )  # fmt: skip
@@ -398,7 +415,7 @@ def _q_loop(
     else:
         for start_n in range(lo, hi, BLOCK_N):
             dq1, dq2 = _q_step(
-                start_n, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, kv, row,
+                start_n, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, skn, svn, row,
                 l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_m, offs_d, offs_v, n_q, n_k, offset,
                 qk_scale, D, DV, BLOCK_N, MASKED, HAS_PADDING, PRECISION, DOT,
             )  # fmt: skip
@@ -410,6 +427,7 @@ def _q_loop(
 def _diff_v1_bwd_q(
     q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, lam_ptr, kp_ptr, offset_ptr,
     do_ptr, l1_ptr, l2_ptr, r1_ptr, r2_ptr, dq1_ptr, dq2_ptr,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
     scale, n_q, n_k, offset, q_class,
     H: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_PADDING: tl.constexpr,
@@ -419,28 +437,34 @@ def _diff_v1_bwd_q(
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
-    kv = b * (H // REP) + (pid_bh % H) // REP
+    h = pid_bh % H
+    # inputs may be strided views (rows and heads apart); outputs are contiguous
+    q1_ptr += b * sqb + h * sqh
+    q2_ptr += b * sqb + h * sqh
+    k1_ptr += b * skb + (h // REP) * skh
+    k2_ptr += b * skb + (h // REP) * skh
+    v_ptr += b * svb + (h // REP) * svh
     offset = _query_offset(offset, offset_ptr, OFFSET_IN_MEMORY)
     lam = tl.load(lam_ptr).to(tl.float32)
     qk_scale = scale * 1.4426950408889634
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_v = tl.arange(0, BLOCK_DV)
-    q1 = _tile(q1_ptr, pid_bh, offs_m, n_q, offs_d, D, DOT)
-    q2 = _tile(q2_ptr, pid_bh, offs_m, n_q, offs_d, D, DOT)
-    do = _tile(do_ptr, pid_bh, offs_m, n_q, offs_v, DV, DOT)
+    q1 = _tile(q1_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
+    q2 = _tile(q2_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
+    do = _tile(do_ptr + b * sob + h * soh, offs_m, n_q, son, offs_v, DV, DOT)
     dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kp = kp_ptr + b * n_k
     row = pid_bh * n_q + offs_m
     full, hi = _key_bounds(pid_m, n_k, offset, BLOCK_M, BLOCK_N)
     dq1, dq2 = _q_loop(
-        0, full, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, kv, row,
+        0, full, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, skn, svn, row,
         l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
         D, DV, BLOCK_N, HAS_PADDING, HAS_PADDING, PRECISION, DOT, LOOP_AS_WHILE,
     )  # fmt: skip
     dq1, dq2 = _q_loop(
-        full, hi, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, kv, row,
+        full, hi, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, skn, svn, row,
         l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
         D, DV, BLOCK_N, True, HAS_PADDING, PRECISION, DOT, LOOP_AS_WHILE,
     )  # fmt: skip
@@ -490,6 +514,24 @@ def _pointers(
     return kp, offset
 
 
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # The kernels take one set of strides for Q1 and Q2 (and for K1 and K2): views of one
+    # projection, as the model makes them, share theirs; others are copied.
+    a, b = _rows_contiguous(a), _rows_contiguous(b)
+    if a.stride() != b.stride():
+        a, b = a.contiguous(), b.contiguous()
+    return a, b
+
+
+def _strides(*tensors: torch.Tensor) -> tuple[int, ...]:
+    # (batch, head, row) strides of each tensor; columns are contiguous
+    return tuple(stride for x in tensors for stride in x.stride()[:3])
+
+
 def _query_class(n: int) -> int:
     return min(128, triton.next_power_of_2(n))
 
@@ -506,9 +548,13 @@ def forward(
     offset: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``O``, the second map's output ``O2`` and the base-2 logsumexps ``L1``, ``L2`` of
-    contiguous inputs. ``query_offset`` (a 1-element tensor), when given, replaces ``offset``
-    and is read on the device, as is ``lam``."""
+    """``O``, the second map's output ``O2`` and the base-2 logsumexps ``L1``, ``L2``
+    (contiguous). Inputs may be strided views with contiguous columns. ``query_offset`` (a
+    1-element tensor), when given, replaces ``offset`` and is read on the device, as is
+    ``lam``."""
+    q1, q2 = _same_layout(q1, q2)
+    k1, k2 = _same_layout(k1, k2)
+    v = _rows_contiguous(v)
     bsz, h, n, _ = q1.shape
     s = k1.shape[2]
     kp, offset_tensor = _pointers(q1, key_padding, query_offset)
@@ -522,7 +568,7 @@ def forward(
 
     _diff_v1_fwd[grid](
         q1, q2, k1, k2, v, lam, kp, offset_tensor, out, o2, lse1, lse2,
-        scale, n, s, offset, _query_class(n),
+        *_strides(q1, k1, v, out), scale, n, s, offset, _query_class(n),
         **_launch_constants(q1, k1, v, key_padding, query_offset),
     )  # fmt: skip
     return out, o2, lse1, lse2
@@ -547,18 +593,23 @@ def backward(
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of q1, q2, k1, k2, v and λ from the forward's saved tensors; λ's is the
     device-side sum ``−Σ rowsum(dO ∘ O2)``."""
+    q1, q2 = _same_layout(q1, q2)
+    k1, k2 = _same_layout(k1, k2)
+    v = _rows_contiguous(v)
     bsz, h, n, _ = q1.shape
     n_kv, s = k1.shape[1], k1.shape[2]
-    do = grad_out.contiguous().to(out.dtype)
+    do = _rows_contiguous(grad_out.to(out.dtype))
     # preprocess (FlashAttention-2's delta, one per map): r_a = rowsum(dO ∘ O_a), O1 = O + λ·O2
     r2 = (do.float() * o2.float()).sum(-1)
     r1 = (do.float() * out.float()).sum(-1) + lam.float() * r2
     kp, offset_tensor = _pointers(q1, key_padding, query_offset)
-    dq1, dq2 = torch.empty_like(q1), torch.empty_like(q2)
-    dk1, dk2, dv = torch.empty_like(k1), torch.empty_like(k2), torch.empty_like(v)
+    dq1, dq2, dk1, dk2, dv = (
+        x.new_empty(x.shape)
+        for x in (q1, q2, k1, k2, v)  # contiguous, as the kernels write
+    )
     constants = _launch_constants(q1, k1, v, key_padding, query_offset)
     inputs = (q1, q2, k1, k2, v, lam, kp, offset_tensor, do, lse1, lse2, r1, r2)
-    sizes = (scale, n, s, offset, _query_class(n))
+    sizes = (*_strides(q1, k1, v, do), scale, n, s, offset, _query_class(n))
 
     def kv_grid(meta):
         return (triton.cdiv(s, meta["BLOCK_N"]), bsz * n_kv)

@@ -28,7 +28,12 @@ def triton_diff_v1_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eq.1's ``O``, the second map's output ``O2`` and both maps' base-2 logsumexps."""
     return kernels.forward(
-        *(x.contiguous() for x in (q1, q2, k1, k2, v, lam)),
+        q1,
+        q2,
+        k1,
+        k2,
+        v,
+        lam.contiguous(),
         key_padding,
         query_offset,
         offset,
@@ -66,7 +71,8 @@ def triton_diff_v1_backward(
     tensors = (q1, q2, k1, k2, v, lam)
     grads = kernels.backward(
         grad_out,
-        *(x.contiguous() for x in tensors),
+        *tensors[:5],
+        lam.contiguous(),
         key_padding,
         query_offset,
         offset,
