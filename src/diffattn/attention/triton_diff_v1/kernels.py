@@ -51,9 +51,9 @@ def _as_triton_config(config: configs.LaunchConfig) -> triton.Config:
     )
 
 
-def _autotuned(tiles: configs.KernelTiles, candidates: tuple[configs.LaunchConfig, ...]):
-    """``triton.autotune`` over ``candidates`` pruned by the device's shared memory
-    (:func:`configs.fitting_configs`); one small config under the interpreter."""
+def shared_memory_pruner(tiles: configs.KernelTiles):
+    """The autotuner's ``early_config_prune`` for a kernel: keeps the configs that
+    :func:`configs.fitting_configs` fits in the shared memory of the device of ``q1``."""
 
     def prune(triton_configs, named_args, **kwargs):
         first = named_args["q1_ptr"]
@@ -68,11 +68,34 @@ def _autotuned(tiles: configs.KernelTiles, candidates: tuple[configs.LaunchConfi
         )
         return [_as_triton_config(c) for c in fits]
 
-    chosen = [configs.INTERPRETER[tiles.name]] if interpreting() else list(candidates)
+    return prune
+
+
+class _FixedLaunch:
+    """A kernel launched with one config, ``kernel[grid](...)`` as an autotuned one is."""
+
+    def __init__(self, kernel, config: configs.LaunchConfig) -> None:
+        self.kernel, self.config = kernel, config
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            blocks = {"BLOCK_M": self.config.block_m, "BLOCK_N": self.config.block_n}
+            return self.kernel[grid](*args, **kwargs, **blocks)
+
+        return launch
+
+
+def _autotuned(tiles: configs.KernelTiles, candidates: tuple[configs.LaunchConfig, ...]):
+    """``triton.autotune`` over ``candidates`` pruned by the device's shared memory. Under the
+    interpreter there is no device to time or ask: the one small config of
+    :data:`configs.INTERPRETER` is launched directly (Triton 3.2 and 3.3 cannot even build
+    an autotuner without a GPU driver)."""
+    if interpreting():
+        return lambda kernel: _FixedLaunch(kernel, configs.INTERPRETER[tiles.name])
     return triton.autotune(
-        configs=[_as_triton_config(c) for c in chosen],
+        configs=[_as_triton_config(c) for c in candidates],
         key=AUTOTUNE_KEY,
-        prune_configs_by={"early_config_prune": prune},
+        prune_configs_by={"early_config_prune": shared_memory_pruner(tiles)},
     )
 
 
