@@ -100,6 +100,25 @@ def test_pruning_falls_back_to_the_smallest_tiles_then_fails_clearly():
         _fits(configs.FORWARD, 128, 4, small_limit - 1, big)
 
 
+def test_the_autotuners_pruner_asks_the_device_and_prunes(monkeypatch):
+    pytest.importorskip("triton")
+    from diffattn.attention.triton_diff_v1 import kernels as triton_kernels
+
+    asked = []
+
+    def limit(device_index):
+        asked.append(device_index)
+        return 100 * 1024
+
+    monkeypatch.setattr(triton_kernels, "_shared_memory_limit", limit)
+    candidates = [triton_kernels._as_triton_config(c) for c in configs.CANDIDATES]
+    prune = triton_kernels.shared_memory_pruner(configs.BACKWARD_KV)
+    kept = prune(candidates, {"q1_ptr": torch.empty(1, dtype=torch.bfloat16)}, D=128, DV=256)
+    expected = _fits(configs.BACKWARD_KV, 128, 2, 100 * 1024)
+    assert [triton_kernels._as_launch_config(c) for c in kept] == expected
+    assert asked == [0] and 0 < len(kept) < len(candidates)
+
+
 def test_every_width_and_dtype_has_a_config_on_a_100_kb_device():
     for d in (32, 64, 128):
         for size in (2, 4):
