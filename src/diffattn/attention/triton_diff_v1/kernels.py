@@ -85,18 +85,33 @@ class _FixedLaunch:
         return launch
 
 
+class _Autotuned:
+    """``triton.autotune`` over ``candidates`` pruned by the device's shared memory, built at
+    the first launch: Triton 3.2 and 3.3 need a GPU driver to build an autotuner, so a
+    module-level one would make importing this module fail on a machine without a GPU."""
+
+    def __init__(self, kernel, tiles: configs.KernelTiles, candidates) -> None:
+        self.kernel, self.tiles, self.candidates = kernel, tiles, candidates
+
+    @functools.cached_property
+    def tuner(self):
+        return triton.autotune(
+            configs=[_as_triton_config(c) for c in self.candidates],
+            key=AUTOTUNE_KEY,
+            prune_configs_by={"early_config_prune": shared_memory_pruner(self.tiles)},
+        )(self.kernel)
+
+    def __getitem__(self, grid):
+        return self.tuner[grid]
+
+
 def _autotuned(tiles: configs.KernelTiles, candidates: tuple[configs.LaunchConfig, ...]):
-    """``triton.autotune`` over ``candidates`` pruned by the device's shared memory. Under the
-    interpreter there is no device to time or ask: the one small config of
-    :data:`configs.INTERPRETER` is launched directly (Triton 3.2 and 3.3 cannot even build
-    an autotuner without a GPU driver)."""
+    """Autotuned launches on a device (:class:`_Autotuned`). Under the interpreter there is
+    no device to time or ask: the one small config of :data:`configs.INTERPRETER` is
+    launched directly."""
     if interpreting():
         return lambda kernel: _FixedLaunch(kernel, configs.INTERPRETER[tiles.name])
-    return triton.autotune(
-        configs=[_as_triton_config(c) for c in candidates],
-        key=AUTOTUNE_KEY,
-        prune_configs_by={"early_config_prune": shared_memory_pruner(tiles)},
-    )
+    return lambda kernel: _Autotuned(kernel, tiles, candidates)
 
 
 @triton.jit
