@@ -20,10 +20,12 @@ CASES = Path(__file__).with_name("triton_v1_cases.py")
 H100_SHARED_MEMORY = 232448  # 227 KB: what Triton reports for an H100 / H200
 
 
-def _run_cases(interpret: bool, *selection: str) -> None:
+def _run_cases(interpret: bool, *selection: str, autotune: bool = True) -> None:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
+    if not autotune:
+        env["DIFFATTN_TRITON_AUTOTUNE"] = "0"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)]
     result = subprocess.run(
         [*command, *selection], env=env, cwd=CASES.parent, capture_output=True, text=True
@@ -54,8 +56,12 @@ def test_triton_kernels_at_the_papers_widths_over_many_tiles_under_the_interpret
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_kernels_on_cuda():
+    """Every case on the GPU, each kernel on the first config that fits its shared memory
+    (timing every candidate for each of the cases' many shapes would take minutes), then
+    the head widths and dtypes again with the autotuner choosing."""
     pytest.importorskip("triton")
-    _run_cases(False)
+    _run_cases(False, autotune=False)
+    _run_cases(False, "-k", "every_head_width")
 
 
 def _fits(kernel, d, dtype_size, limit, candidates=configs.CANDIDATES):
@@ -117,6 +123,9 @@ def test_the_autotuners_pruner_asks_the_device_and_prunes(monkeypatch):
     expected = _fits(configs.BACKWARD_KV, 128, 2, 100 * 1024)
     assert [triton_kernels._as_launch_config(c) for c in kept] == expected
     assert asked == [0] and 0 < len(kept) < len(candidates)
+    monkeypatch.setenv("DIFFATTN_TRITON_AUTOTUNE", "0")
+    first = prune(candidates, {"q1_ptr": torch.empty(1, dtype=torch.bfloat16)}, D=128, DV=256)
+    assert [triton_kernels._as_launch_config(c) for c in first] == expected[:1]
 
 
 def test_every_width_and_dtype_has_a_config_on_a_100_kb_device():

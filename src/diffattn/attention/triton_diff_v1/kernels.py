@@ -15,6 +15,7 @@ This module has no ``from __future__ import annotations``: the interpreter of Tr
 """
 
 import functools
+import os
 
 import torch
 import triton
@@ -24,6 +25,9 @@ from diffattn.attention.triton_diff_v1 import configs
 from diffattn.attention.triton_diff_v1.configs import interpreting
 
 DOT_TYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+AUTOTUNE_SWITCH = "DIFFATTN_TRITON_AUTOTUNE"
+"""Set to ``0`` to launch the first config that fits instead of timing them all (quick
+correctness runs on a GPU: each new key otherwise compiles and times every candidate)."""
 AUTOTUNE_KEY = ["D", "DV", "HAS_PADDING", "q_class"]
 """Autotuning is redone per head width, padding and query-count class (Triton adds the
 tensors' dtypes); ``q_class`` is the number of queries rounded up to a power of two, at most
@@ -53,9 +57,11 @@ def _as_triton_config(config: configs.LaunchConfig) -> triton.Config:
 
 def shared_memory_pruner(tiles: configs.KernelTiles):
     """The autotuner's ``early_config_prune`` for a kernel: keeps the configs that
-    :func:`configs.fitting_configs` fits in the shared memory of the device of ``q1``."""
+    :func:`configs.fitting_configs` fits in the shared memory of the device of ``q1`` (only
+    the first of them, so nothing is timed, when ``DIFFATTN_TRITON_AUTOTUNE=0``)."""
 
     def prune(triton_configs, named_args, **kwargs):
+        tune = os.environ.get(AUTOTUNE_SWITCH, "1") != "0"
         first = named_args["q1_ptr"]
         limit = _shared_memory_limit(first.device.index or 0)
         fits = configs.fitting_configs(
@@ -66,7 +72,7 @@ def shared_memory_pruner(tiles: configs.KernelTiles):
             first.element_size(),
             limit,
         )
-        return [_as_triton_config(c) for c in fits]
+        return [_as_triton_config(c) for c in (fits if tune else fits[:1])]
 
     return prune
 
