@@ -20,8 +20,9 @@ CASES = Path(__file__).with_name("triton_v1_cases.py")
 H100_SHARED_MEMORY = 232448  # 227 KB: what Triton reports for an H100 / H200
 
 
-def _run_cases(interpret: bool, *selection: str, autotune: bool = True) -> None:
+def _run_cases(interpret: bool, *selection: str, autotune: bool = True, dq: str = "kernel") -> None:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["DIFFATTN_TRITON_DQ"] = dq
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     if not autotune:
@@ -47,6 +48,20 @@ def test_triton_kernels_under_the_interpreter(selection):
     _run_cases(True, "-k", selection)
 
 
+def test_dq_by_atomics_under_the_interpreter():
+    pytest.importorskip("triton")
+    _run_cases(True, "-k", "every_head_width and 64 or offset or 129-left-2", dq="atomic")
+
+
+def test_an_unknown_dq_variant_is_one_clear_error(monkeypatch):
+    pytest.importorskip("triton")
+    from diffattn.attention.triton_diff_v1 import kernels as triton_kernels
+
+    monkeypatch.setenv("DIFFATTN_TRITON_DQ", "atomics")
+    with pytest.raises(ValueError, match="DIFFATTN_TRITON_DQ must be 'kernel' or 'atomic'"):
+        triton_kernels.dq_by_atomics()
+
+
 @pytest.mark.slow
 def test_triton_kernels_at_the_papers_widths_over_many_tiles_under_the_interpreter():
     pytest.importorskip("triton")
@@ -62,6 +77,7 @@ def test_triton_kernels_on_cuda():
     pytest.importorskip("triton")
     _run_cases(False, autotune=False)
     _run_cases(False, "-k", "every_head_width")
+    _run_cases(False, "-k", "every_head_width or offset or many_tiles", dq="atomic")
 
 
 def _fits(kernel, d, dtype_size, limit, candidates=configs.CANDIDATES):

@@ -28,6 +28,8 @@ DOT_TYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 AUTOTUNE_SWITCH = "DIFFATTN_TRITON_AUTOTUNE"
 """Set to ``0`` to launch the first config that fits instead of timing them all (quick
 correctness runs on a GPU: each new key otherwise compiles and times every candidate)."""
+DQ_SWITCH = "DIFFATTN_TRITON_DQ"
+"""``kernel`` (default) or ``atomic``: how the backward computes dQ (:func:`dq_by_atomics`)."""
 AUTOTUNE_KEY = ["D", "DV", "HAS_PADDING", "q_class"]
 """Autotuning is redone per head width, padding and query-count class (Triton adds the
 tensors' dtypes); ``q_class`` is the number of queries rounded up to a power of two, at most
@@ -96,8 +98,8 @@ class _Autotuned:
     the first launch: Triton 3.2 and 3.3 need a GPU driver to build an autotuner, so a
     module-level one would make importing this module fail on a machine without a GPU."""
 
-    def __init__(self, kernel, tiles: configs.KernelTiles, candidates) -> None:
-        self.kernel, self.tiles, self.candidates = kernel, tiles, candidates
+    def __init__(self, kernel, tiles: configs.KernelTiles, candidates, zeroed) -> None:
+        self.kernel, self.tiles, self.candidates, self.zeroed = kernel, tiles, candidates, zeroed
 
     @functools.cached_property
     def tuner(self):
@@ -105,19 +107,25 @@ class _Autotuned:
             configs=[_as_triton_config(c) for c in self.candidates],
             key=AUTOTUNE_KEY,
             prune_configs_by={"early_config_prune": shared_memory_pruner(self.tiles)},
+            reset_to_zero=list(self.zeroed) or None,
         )(self.kernel)
 
     def __getitem__(self, grid):
         return self.tuner[grid]
 
 
-def _autotuned(tiles: configs.KernelTiles, candidates: tuple[configs.LaunchConfig, ...]):
+def _autotuned(
+    tiles: configs.KernelTiles,
+    candidates: tuple[configs.LaunchConfig, ...],
+    zeroed: tuple[str, ...] = (),
+):
     """Autotuned launches on a device (:class:`_Autotuned`). Under the interpreter there is
     no device to time or ask: the one small config of :data:`configs.INTERPRETER` is
-    launched directly."""
+    launched directly. ``zeroed`` names the accumulated outputs that each timed run must
+    start from zero."""
     if interpreting():
         return lambda kernel: _FixedLaunch(kernel, configs.INTERPRETER[tiles.name])
-    return lambda kernel: _Autotuned(kernel, tiles, candidates)
+    return lambda kernel: _Autotuned(kernel, tiles, candidates, zeroed)
 
 
 @triton.jit
@@ -316,8 +324,10 @@ def _probs_and_dp(
 def _kv_step(
     start_m, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr, sqn, son,
     l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k, offset, qk_scale,
+    dq1_ptr, dq2_ptr, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
 ):  # fmt: skip
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q1 = _tile(q1_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
@@ -331,6 +341,13 @@ def _kv_step(
     dv += tl.dot(tl.trans(p), do, input_precision=PRECISION)
     dk1 += tl.dot(tl.trans(ds1.to(DOT)), q1, input_precision=PRECISION)
     dk2 += tl.dot(tl.trans(ds2.to(DOT)), q2, input_precision=PRECISION)
+    if DQ_ATOMIC:  # this key block's share of dQ, added into fp32 buffers
+        dq_mask = (offs_m[:, None] < n_q) & (offs_d[None, :] < D)
+        dq_off = (bh * n_q + offs_m[:, None]) * D + offs_d[None, :]
+        dq1 = tl.dot(ds1.to(DOT), k1, input_precision=PRECISION) * scale
+        dq2 = tl.dot(ds2.to(DOT), k2, input_precision=PRECISION) * (-lam * scale)
+        tl.atomic_add(dq1_ptr + dq_off, dq1, mask=dq_mask)
+        tl.atomic_add(dq2_ptr + dq_off, dq2, mask=dq_mask)
     return dk1, dk2, dv
 
 
@@ -338,9 +355,10 @@ def _kv_step(
 def _kv_loop(
     lo, hi, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr, sqn, son,
     l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k, offset, qk_scale,
+    dq1_ptr, dq2_ptr, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
     HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
-    LOOP_AS_WHILE: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
 ):  # fmt: skip
     if LOOP_AS_WHILE:
         start_m = lo
@@ -348,7 +366,8 @@ def _kv_loop(
             dk1, dk2, dv = _kv_step(
                 start_m, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr, sqn, son,
                 l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k, offset,
-                qk_scale, D, DV, BLOCK_M, MASKED, HAS_PADDING, PRECISION, DOT,
+                qk_scale, dq1_ptr, dq2_ptr, scale,
+                D, DV, BLOCK_M, MASKED, HAS_PADDING, PRECISION, DOT, DQ_ATOMIC,
             )  # fmt: skip
             start_m += BLOCK_M
     else:
@@ -356,22 +375,24 @@ def _kv_loop(
             dk1, dk2, dv = _kv_step(
                 start_m, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr, sqn, son,
                 l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k, offset,
-                qk_scale, D, DV, BLOCK_M, MASKED, HAS_PADDING, PRECISION, DOT,
+                qk_scale, dq1_ptr, dq2_ptr, scale,
+                D, DV, BLOCK_M, MASKED, HAS_PADDING, PRECISION, DOT, DQ_ATOMIC,
             )  # fmt: skip
     return dk1, dk2, dv
 
 
-@_autotuned(configs.BACKWARD_KV, configs.BACKWARD_KV_CANDIDATES)
+@_autotuned(configs.BACKWARD_KV, configs.BACKWARD_KV_CANDIDATES, ("dq1_ptr", "dq2_ptr"))
 @triton.jit(do_not_specialize=["offset"])
 def _diff_v1_bwd_kv(
     q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, lam_ptr, kp_ptr, offset_ptr,
-    do_ptr, l1_ptr, l2_ptr, r1_ptr, r2_ptr, dk1_ptr, dk2_ptr, dv_ptr,
+    do_ptr, l1_ptr, l2_ptr, r1_ptr, r2_ptr, dk1_ptr, dk2_ptr, dv_ptr, dq1_ptr, dq2_ptr,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
     scale, n_q, n_k, offset, q_class,
     H: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_PADDING: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
-    LOOP_AS_WHILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOOP_AS_WHILE: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     kv = tl.program_id(1)  # b * H_kv + kv head
@@ -406,13 +427,14 @@ def _diff_v1_bwd_kv(
         dk1, dk2, dv = _kv_loop(
             lo, tl.minimum(full, n_q), bh, k1, k2, v, dk1, dk2, dv, lam, q1_head, q2_head,
             do_head, sqn, son, l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k,
-            offset, qk_scale, D, DV, BLOCK_M, True, HAS_PADDING, PRECISION, DOT, LOOP_AS_WHILE,
+            offset, qk_scale, dq1_ptr, dq2_ptr, scale,
+            D, DV, BLOCK_M, True, HAS_PADDING, PRECISION, DOT, DQ_ATOMIC, LOOP_AS_WHILE,
         )  # fmt: skip
         dk1, dk2, dv = _kv_loop(
             full, n_q, bh, k1, k2, v, dk1, dk2, dv, lam, q1_head, q2_head,
             do_head, sqn, son, l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k,
-            offset, qk_scale, D, DV, BLOCK_M, HAS_PADDING, HAS_PADDING, PRECISION, DOT,
-            LOOP_AS_WHILE,
+            offset, qk_scale, dq1_ptr, dq2_ptr, scale,
+            D, DV, BLOCK_M, HAS_PADDING, HAS_PADDING, PRECISION, DOT, DQ_ATOMIC, LOOP_AS_WHILE,
         )  # fmt: skip
     _store_tile(dk1_ptr, kv, offs_n, n_k, offs_d, D, dk1 * scale)
     _store_tile(dk2_ptr, kv, offs_n, n_k, offs_d, D, dk2 * (-lam * scale))
@@ -576,6 +598,16 @@ def _strides(*tensors: torch.Tensor) -> tuple[int, ...]:
     return tuple(stride for x in tensors for stride in x.stride()[:3])
 
 
+def dq_by_atomics() -> bool:
+    """Whether the backward adds dQ from the dK/dV kernel with atomics (``DIFFATTN_TRITON_DQ
+    =atomic``: no second pass over the maps, nondeterministic order of fp32 additions)
+    instead of its own kernel (the default, deterministic)."""
+    choice = os.environ.get(DQ_SWITCH, "kernel")
+    if choice not in ("kernel", "atomic"):
+        raise ValueError(f"{DQ_SWITCH} must be 'kernel' or 'atomic', got {choice!r}")
+    return choice == "atomic"
+
+
 def _query_class(n: int) -> int:
     return min(128, triton.next_power_of_2(n))
 
@@ -651,6 +683,11 @@ def backward(
         x.new_empty(x.shape)
         for x in (q1, q2, k1, k2, v)  # contiguous, as the kernels write
     )
+    atomic = dq_by_atomics()
+    # fp32 dQ accumulators of the atomic variant (placeholders otherwise)
+    dq1_sum, dq2_sum = (
+        q1.new_zeros(x.shape if atomic else (1,), dtype=torch.float32) for x in (q1, q2)
+    )
     constants = _launch_constants(q1, k1, v, key_padding, query_offset)
     inputs = (q1, q2, k1, k2, v, lam, kp, offset_tensor, do, lse1, lse2, r1, r2)
     sizes = (*_strides(q1, k1, v, do), scale, n, s, offset, _query_class(n))
@@ -661,7 +698,13 @@ def backward(
     def q_grid(meta):
         return (triton.cdiv(n, meta["BLOCK_M"]), bsz * h)
 
-    _diff_v1_bwd_kv[kv_grid](*inputs, dk1, dk2, dv, *sizes, **constants)
-    _diff_v1_bwd_q[q_grid](*inputs, dq1, dq2, *sizes, **constants)
+    _diff_v1_bwd_kv[kv_grid](
+        *inputs, dk1, dk2, dv, dq1_sum, dq2_sum, *sizes, DQ_ATOMIC=atomic, **constants
+    )
+    if atomic:
+        dq1.copy_(dq1_sum)
+        dq2.copy_(dq2_sum)
+    else:
+        _diff_v1_bwd_q[q_grid](*inputs, dq1, dq2, *sizes, **constants)
     dlam = (-r2.sum()).to(lam.dtype).reshape(lam.shape)
     return dq1, dq2, dk1, dk2, dv, dlam

@@ -11,11 +11,13 @@ Each ratio is the baseline's time over DIFF V1's, so 1.0 is the baseline's speed
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from diffattn.attention.triton_diff_v1.kernels import DQ_SWITCH
 from diffattn.attention.triton_diff_v1.op import diff_v1_attention
 
 
@@ -41,13 +43,15 @@ def time_against_sdpa(
     dtype: torch.dtype = torch.bfloat16,
     warmup: int = 3,
     repeats: int = 10,
+    dq: str = "kernel",
 ) -> dict[str, float]:
     """Milliseconds per call of the Triton DIFF V1 op and of the baseline's causal SDPA, both
     forward and forward + backward, and their ratios (baseline / DIFF V1).
 
     ``tokens // n`` sequences of ``n`` tokens; the baseline has ``d_model / d`` heads of
     width d, DIFF V1 half as many with V at width 2d. The first calls autotune the kernels
-    (in ``warmup``). Needs CUDA.
+    (in ``warmup``). ``dq`` picks the backward's dQ variant (``kernel`` or ``atomic``, see
+    :func:`diffattn.attention.triton_diff_v1.kernels.dq_by_atomics`). Needs CUDA.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("time_against_sdpa times CUDA kernels and needs a CUDA device")
@@ -83,12 +87,20 @@ def time_against_sdpa(
 
         return step
 
-    times = {
-        "diff_v1_fwd_ms": _milliseconds(diff(False), warmup, repeats),
-        "baseline_fwd_ms": _milliseconds(baseline(False), warmup, repeats),
-        "diff_v1_fwd_bwd_ms": _milliseconds(diff(True), warmup, repeats),
-        "baseline_fwd_bwd_ms": _milliseconds(baseline(True), warmup, repeats),
-    }
+    previous = os.environ.get(DQ_SWITCH)
+    os.environ[DQ_SWITCH] = dq
+    try:
+        times = {
+            "diff_v1_fwd_ms": _milliseconds(diff(False), warmup, repeats),
+            "baseline_fwd_ms": _milliseconds(baseline(False), warmup, repeats),
+            "diff_v1_fwd_bwd_ms": _milliseconds(diff(True), warmup, repeats),
+            "baseline_fwd_bwd_ms": _milliseconds(baseline(True), warmup, repeats),
+        }
+    finally:
+        if previous is None:
+            del os.environ[DQ_SWITCH]
+        else:
+            os.environ[DQ_SWITCH] = previous
     times["fwd_ratio"] = times["baseline_fwd_ms"] / times["diff_v1_fwd_ms"]
     times["fwd_bwd_ratio"] = times["baseline_fwd_bwd_ms"] / times["diff_v1_fwd_bwd_ms"]
     return times
@@ -100,15 +112,16 @@ def main() -> None:
         return
     device = torch.cuda.get_device_name()
     print(f"Triton DIFF V1 op / baseline SDPA, bf16, 16K tokens per call, d_model 2048 ({device})")
-    print("d | N | fwd ms (DIFF V1, baseline) | fwd+bwd ms | ratio fwd | ratio fwd+bwd")
+    print("d | N | dQ | fwd ms (DIFF V1, baseline) | fwd+bwd ms | ratio fwd | ratio fwd+bwd")
     for d in (64, 128):
         for n in (4096, 16384):
-            t = time_against_sdpa(n=n, d=d)
-            print(
-                f"{d} | {n} | {t['diff_v1_fwd_ms']:.3f}, {t['baseline_fwd_ms']:.3f} | "
-                f"{t['diff_v1_fwd_bwd_ms']:.3f}, {t['baseline_fwd_bwd_ms']:.3f} | "
-                f"{t['fwd_ratio']:.3f} | {t['fwd_bwd_ratio']:.3f}"
-            )
+            for dq in ("kernel", "atomic"):
+                t = time_against_sdpa(n=n, d=d, dq=dq)
+                print(
+                    f"{d} | {n} | {dq} | {t['diff_v1_fwd_ms']:.3f}, {t['baseline_fwd_ms']:.3f} | "
+                    f"{t['diff_v1_fwd_bwd_ms']:.3f}, {t['baseline_fwd_bwd_ms']:.3f} | "
+                    f"{t['fwd_ratio']:.3f} | {t['fwd_bwd_ratio']:.3f}"
+                )
 
 
 if __name__ == "__main__":
