@@ -256,3 +256,11 @@ def test_a_diff_v1_model_trains_and_generates_as_on_the_reference():
                 model, ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False
             ).sequences
     assert torch.equal(outputs["triton"], outputs["reference"])
+
+
+def test_padding_of_the_wrong_shape_is_one_clear_error():
+    inputs = _inputs(2, 2, 1, 3, 5)
+    with pytest.raises(ValueError, match=r"key_padding of shape \(B, S\) = \(2, 5\)"):
+        kernels.differential_attention(
+            *inputs, _mask(torch.ones(2, 3, dtype=torch.bool)), 0.25, "triton"
+        )

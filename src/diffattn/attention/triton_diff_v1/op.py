@@ -128,6 +128,11 @@ def diff_v1_attention(
     int or a 0-d integer tensor (read on the device). Differentiable in q1, q2, k1, k2, v, λ.
     """
     _check(q1, q2, k1, k2, v, lam)
+    if key_padding is not None and tuple(key_padding.shape) != (q1.shape[0], k1.shape[2]):
+        raise ValueError(
+            f"triton DIFF V1 takes key_padding of shape (B, S) = {(q1.shape[0], k1.shape[2])}, "
+            f"got {tuple(key_padding.shape)}"
+        )
     lam = lam.to(q1.device)
     if isinstance(query_offset, torch.Tensor):
         out, *_ = triton_diff_v1_forward(
