@@ -55,7 +55,8 @@ MODULE_EXTRAS = {
 
 PACKAGE_EXTRAS = {
     "diffattn.eval.harness": "lm-eval",
-    "diffattn.attention.triton_diff_v1": "triton",
+    "diffattn.attention.triton_diff_v1.kernels": "triton",
+    "diffattn.attention.triton_diff_v1.op": "triton",
     "torch.utils.tensorboard": "tensorboard",
 }
 """diffattn modules that import an extra's packages when they are imported."""

@@ -1,5 +1,6 @@
 """``triton``: DIFF V1 (Eq.1) on the Triton kernels of :mod:`diffattn.attention.triton_diff_v1`
-(CUDA; fp32, fp16, bf16), forward and backward; baseline and DIFF V2 calls run on ``sdpa``.
+(CUDA; fp32, fp16, bf16), forward and backward, as a ``torch.library`` custom op that
+``torch.compile`` keeps in its graph; baseline and DIFF V2 calls run on ``sdpa``.
 
 Usable on CUDA tensors when ``triton`` is installed (``pip install 'diffattn[triton]'``), and
 on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before the first call),
@@ -10,7 +11,6 @@ and query offsets (KV cache) are handled in the kernels; full custom masks go to
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
@@ -18,16 +18,7 @@ from diffattn.attention.backends.reference import differential_rows
 from diffattn.attention.backends.sdpa import sdpa_attention
 from diffattn.attention.mask import AttentionMask
 from diffattn.attention.registry import Backend, compose_v2, register_backend
-
-BLOCK = 64
-"""Query and key rows per tile on CUDA."""
-INTERPRETER_BLOCK = 32
-"""Tile rows under the interpreter (small shapes, numpy speed)."""
-
-
-def interpreting() -> bool:
-    """Whether Triton runs its kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from diffattn.attention.triton_diff_v1.configs import interpreting
 
 
 def _unusable(q: torch.Tensor) -> str | None:
@@ -52,15 +43,14 @@ def triton_diff_v1(
     scale: float,
 ) -> torch.Tensor:
     """DIFF V1 Eq.1 on the Triton kernels; shapes as
-    :func:`diffattn.attention.kernels.differential_attention`. Calls traced by
-    ``torch.compile`` take :func:`differential_rows`."""
-    if torch.compiler.is_compiling():
+    :func:`diffattn.attention.kernels.differential_attention`. A traced one-query call (a
+    compiled decode step) takes :func:`differential_rows`, whose ``(B, H, 1, S)`` maps are
+    plain tensor ops; every other call, traced or not, runs the custom op."""
+    if torch.compiler.is_compiling() and q1.shape[2] == 1:
         return differential_rows(q1, q2, k1, k2, v, lam, mask, scale)
-    from diffattn.attention.triton_diff_v1 import TritonDiffV1
+    from diffattn.attention.triton_diff_v1.op import diff_v1_attention
 
-    block = INTERPRETER_BLOCK if not q1.is_cuda else BLOCK
-    offset = int(mask.query_offset)
-    return TritonDiffV1.apply(q1, q2, k1, k2, v, lam, mask.key_padding, offset, scale, block)
+    return diff_v1_attention(q1, q2, k1, k2, v, lam, mask.key_padding, mask.query_offset, scale)
 
 
 register_backend(
