@@ -579,6 +579,14 @@ def test_cli_greedy_static_cache_and_no_echo(model_dir, capsys):
     assert _cli([*base, "--max-new-tokens", "10", "--cache", "static", "--no-echo"]) == 0
     continuation = capsys.readouterr().out
     assert full == "Differential" + continuation and len(continuation) > 1
+    compiled_decode_step.cache_clear()
+    assert _cli([*base, "--max-new-tokens", "10", "--auto-compile", "--no-echo"]) == 0
+    assert capsys.readouterr().out == continuation
+    assert compiled_decode_step.cache_info().currsize == 0  # on the CPU, "auto" stays eager
+    with pytest.raises(SystemExit):
+        _cli([*base, "--compile", "--auto-compile"])
+    with pytest.raises(SystemExit):
+        _cli([*base, "--compile-mode", "fastest"])
 
 
 def test_text_streamer_holds_back_split_characters():
