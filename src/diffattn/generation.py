@@ -136,7 +136,8 @@ class GenerationConfig:
         if not isinstance(self.do_sample, bool):
             self._fail("do_sample", f"must be a bool, got {self.do_sample!r}")
         if not (isinstance(self.compile, bool) or self.compile == "auto"):
-            self._fail("compile", f"must be True, False or 'auto', got {self.compile!r}")
+            choices = ", ".join(map(repr, COMPILE_CHOICES))
+            self._fail("compile", f"must be one of {choices}, got {self.compile!r}")
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
             self._fail("temperature", f"must be a finite number >= 0, got {t!r}")
