@@ -51,6 +51,8 @@ MIN_STEP_S = 20
 """A step is skipped when less than this is left of the budget."""
 OUTPUT_LINES = 60
 """Lines of each step's output kept in the markdown report (the JSON keeps the full text)."""
+COLLECT = ["--continue-on-collection-errors"]
+"""A test module that cannot be imported there (a missing extra) does not stop the others."""
 TRAIN_SETTINGS = [
     "--device",
     "cuda",
@@ -117,7 +119,9 @@ def plan(quick: bool = False, train_out: str = "<tmp>") -> list[Step]:
     decode = ["--mode", "decode", "--seq-len", "2048", "--new-tokens", "64", "--kv-heads", "8"]
     decode += ["--batch", "4", "--steps", "3", "--warmup", "1"]
     steps = [
-        Step("a", "CUDA tests", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:xdist"], 100),
+        Step(
+            "a", "CUDA tests", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:xdist", *COLLECT], 100
+        ),
         Step(
             "b",
             "attention backends, timed",
