@@ -41,8 +41,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _compiled_step_matches_eager(compiled, eager, lengths=LENGTHS, tolerance=1e-5):
-    """Train-mode steps of both models at every length: equal loss, logits and gradients."""
+def _compiled_step_matches_eager(
+    compiled, eager, lengths=LENGTHS, tolerance=1e-5, lambda_tolerance=None
+):
+    """Train-mode steps of both models at every length: equal loss, logits and gradients.
+
+    ``lambda_tolerance`` (default ``tolerance``) bounds DIFF V1's λ gradients: each is a sum
+    over every position and head of terms that largely cancel (it ends orders of magnitude
+    below its terms), so a kernel that sums in another order moves its low digits most."""
+    lambda_tolerance = lambda_tolerance or tolerance
     compiled.train(), eager.train()
     for length in lengths:
         batch = _batch(length)
@@ -52,7 +59,8 @@ def _compiled_step_matches_eager(compiled, eager, lengths=LENGTHS, tolerance=1e-
         assert _rel(got[1][real], want[1][real]) <= tolerance, f"logits at N={length}"
         assert got[2].keys() == want[2].keys()
         for name, grad in want[2].items():
-            assert _rel(got[2][name], grad) <= tolerance, f"d/d {name} at N={length}"
+            bound = lambda_tolerance if ".lambda_" in name else tolerance
+            assert _rel(got[2][name], grad) <= bound, f"d/d {name} at N={length}"
 
 
 def _pair(attention: str, backend: str, **overrides):
@@ -85,12 +93,12 @@ def test_every_block_compiles_whole_and_trains_like_eager(attention, backend):
 def test_compiled_blocks_on_auto_match_eager_and_settle(attention):
     """``auto`` (the default backend): eager's numbers, and after the first steps no block is
     compiled again. On the CPU, eager DIFF V1 runs the ``fused`` kernel and traced calls run
-    ``sdpa``, so λ's gradient (a sum of small terms that cancel) differs in the fifth digit."""
+    ``sdpa``, so λ's gradient differs in the fifth digit."""
     compiled, eager = _pair(attention, "auto")
     compiled.compile_blocks(backend="aot_eager")
-    _compiled_step_matches_eager(compiled, eager, lengths=(7,), tolerance=2e-4)
+    _compiled_step_matches_eager(compiled, eager, lengths=(7,), lambda_tolerance=2e-4)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        _compiled_step_matches_eager(compiled, eager, lengths=(7,), tolerance=2e-4)
+        _compiled_step_matches_eager(compiled, eager, lengths=(7,), lambda_tolerance=2e-4)
 
 
 def test_kernel_log_calls_do_not_split_the_graph():
@@ -118,7 +126,9 @@ def test_inductor_blocks_train_like_eager(attention):
     numbers."""
     compiled, eager = _pair(attention, "sdpa")
     compiled.compile_blocks(fullgraph=True)
-    _compiled_step_matches_eager(compiled, eager, lengths=(7, 129), tolerance=1e-4)
+    _compiled_step_matches_eager(
+        compiled, eager, lengths=(7, 129), tolerance=1e-4, lambda_tolerance=1e-3
+    )
 
 
 def test_the_trainer_compiles_through_compile_blocks():
