@@ -158,6 +158,8 @@ def test_json_mode_prints_only_json(capsys):
         (["--seq-len", "0"], "--seq-len"),
         (["--d-model", "100"], "--d-model"),
         (["--d-model", "192"], "--d-model"),
+        (["--head-dim", "3"], "--head-dim"),
+        (["--head-dim", "128"], "--d-model"),
         (["--layers", "0"], "--layers"),
         (["--batch", "0"], "--batch"),
         (["--steps", "0"], "--steps"),
@@ -270,6 +272,33 @@ def test_mode_selects_what_is_timed(capsys):
     records = _run_json(["--mode", "fwd+bwd", "--mem-seq-len", "24"], capsys)
     assert {r["mode"] for r in records} == {"fwd+bwd"}
     assert all(r["mem_seq_len"] == 24 and r["seq_len"] == 16 for r in records)
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compile_times_compiled_blocks_in_fwd_bwd(backend, capsys, monkeypatch):
+    """``--compile``: every model of ours has its blocks compiled (as the trainer does), the
+    warmup covers the compilations, and the table prints each model's ratio. Fast through
+    Dynamo alone (backend ``eager``); slow through the generated code the bench runs."""
+    from diffattn.model import DiffTransformerLM
+
+    compiled = []
+    original = DiffTransformerLM.compile_blocks
+
+    def compile_blocks(self, **options):
+        compiled.append(self.config.attention)
+        return original(self, **{**options, "backend": backend})
+
+    monkeypatch.setattr(DiffTransformerLM, "compile_blocks", compile_blocks)
+    argv = [*TINY, "--no-hf", "--mode", "fwd+bwd", "--compile", "--head-dim", "32"]
+    assert run(_args(argv)) == 0
+    out = capsys.readouterr().out
+    assert sorted(compiled) == sorted(OURS)
+    assert "heads 4x32" in out and "after 2 warmup" in out
+    assert "N=16; ours: compiled blocks ==" in out
+    rows = [
+        line.split() for line in out.splitlines() if line.split()[:1] in (["diff_v1"], ["diff_v2"])
+    ]
+    assert len(rows) == 2 and all(float(row[5]) > 0 for row in rows)  # the 'x ref' ratios
 
 
 def test_the_mode_option_refuses_other_values(capsys):

@@ -17,7 +17,9 @@ from diffattn.checkpoint import CheckpointError, save_model
 from diffattn.generation import (
     GenerationConfig,
     apply_temperature,
+    compiled_decode_step,
     decode_step,
+    decoding_plan,
     generate,
     top_k_filter,
     top_p_filter,
@@ -259,6 +261,9 @@ def test_streamer_receives_every_token_in_order(cache):
         ({"pad_token_id": "x"}, "pad_token_id"),
         ({"cache": "paged"}, "cache"),
         ({"compile": True}, "compile"),
+        ({"compile": "always"}, "compile"),
+        ({"compile": 1}, "compile"),
+        ({"compile_mode": "fast"}, "compile_mode"),
         ({"seed": 1.5}, "seed"),
         ({"prefill_chunk_size": 0}, "prefill_chunk_size"),
         ({"do_sample": "yes"}, "do_sample"),
@@ -399,23 +404,81 @@ def test_static_decode_step_captures_one_graph_with_reference_kernels():
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
-def test_generate_with_compile_matches_eager():
+@pytest.mark.parametrize("attention", TYPES)
+def test_generate_compiled_gives_eager_tokens_with_one_compilation(attention):
+    """Greedy tokens of a left-padded batch, decoded eagerly and compiled twice (``auto``
+    backend, AOT autograd); the second compiled run, into a new cache of the same shape, must
+    not compile anything."""
     torch._dynamo.reset()
-    model = _model("diff_v2", backend="reference")
-    ids = torch.randint(0, VOCAB, (2, 4))
-    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
-    eager = generate(model, ids, mask, max_new_tokens=6, do_sample=False)
-    compiled = generate(
-        model,
-        ids,
-        mask,
-        max_new_tokens=6,
-        do_sample=False,
-        cache="static",
-        compile=True,
-        compile_backend="eager",
-    )
-    assert torch.equal(compiled.sequences, eager.sequences)
+    counters.clear()
+    model = _model(attention)
+    ids = torch.randint(0, VOCAB, (3, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    greedy = dict(max_new_tokens=7, do_sample=False)
+    eager = generate(model, ids, mask, **greedy)
+    compiled = dict(greedy, compile=True, cache="static", compile_backend="aot_eager")
+    first = generate(model, ids, mask, **compiled)  # compiles (and settles auto's choices)
+    assert counters["stats"]["unique_graphs"] >= 1
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = generate(model, ids, mask, **compiled)
+    assert torch.equal(first.sequences, eager.sequences)
+    assert torch.equal(again.sequences, eager.sequences)
+
+
+def test_decoding_plan_compiles_on_cuda_only_when_auto():
+    model = _model("diff_v1")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert decoding_plan(GenerationConfig(), model, cuda) == ("dynamic", None)  # the default
+    auto = GenerationConfig(compile="auto")
+    assert decoding_plan(auto, model, cpu) == ("dynamic", None)
+    assert decoding_plan(auto.replace(cache="static"), model, cpu) == ("static", None)
+    assert decoding_plan(auto, model, cuda) == ("static", "reduce-overhead")
+    assert decoding_plan(auto.replace(compile_mode="default"), model, cuda) == ("static", "default")
+    forced = GenerationConfig(compile=True, cache="static")
+    assert decoding_plan(forced, model, cpu) == ("static", "default")
+    assert decoding_plan(forced, model, cuda) == ("static", "reduce-overhead")
+    flash = _model("diff_v1", backend="flash")
+    assert decoding_plan(auto, flash, cuda) == ("dynamic", None)  # flash takes no static cache
+
+
+def test_cuda_graph_steps_each_start_a_new_replay(monkeypatch):
+    """A CUDA-graph step marks a new step before each call (so the previous step's outputs may
+    be overwritten); the plain compile does not wrap the step."""
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    compiled_decode_step.cache_clear()
+    try:
+        model = _model("diff_v2", backend="reference")
+        ids = torch.randint(0, VOCAB, (2, 4))
+        greedy = dict(max_new_tokens=5, do_sample=False)
+        compiled = dict(greedy, compile=True, cache="static", compile_backend="eager")
+        eager = generate(model, ids, **greedy)
+        graphs = generate(model, ids, **compiled, compile_mode="reduce-overhead")
+        assert torch.equal(graphs.sequences, eager.sequences) and len(marks) == 4
+        generate(model, ids, **compiled)
+        assert len(marks) == 4
+    finally:
+        compiled_decode_step.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", TYPES)
+def test_cuda_graph_decoding_gives_eager_tokens(attention):
+    """On CUDA, ``compile="auto"``: CUDA graphs (no step skipped them), eager's greedy tokens
+    with left padding, and nothing compiled for a second run of the same shape."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model(attention, backend="sdpa").cuda()
+    ids = torch.randint(0, VOCAB, (3, 9), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    eager = generate(model, ids, mask, max_new_tokens=12, do_sample=False)
+    generate(model, ids, mask, max_new_tokens=12, do_sample=False, compile="auto")  # compiles
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        graphs = generate(model, ids, mask, max_new_tokens=12, do_sample=False, compile="auto")
+    assert torch.equal(graphs.sequences, eager.sequences)
+    assert counters["inductor"].get("cudagraph_skips", 0) == 0
 
 
 @pytest.mark.slow
@@ -520,6 +583,14 @@ def test_cli_greedy_static_cache_and_no_echo(model_dir, capsys):
     assert _cli([*base, "--max-new-tokens", "10", "--cache", "static", "--no-echo"]) == 0
     continuation = capsys.readouterr().out
     assert full == "Differential" + continuation and len(continuation) > 1
+    compiled_decode_step.cache_clear()
+    assert _cli([*base, "--max-new-tokens", "10", "--auto-compile", "--no-echo"]) == 0
+    assert capsys.readouterr().out == continuation
+    assert compiled_decode_step.cache_info().currsize == 0  # on the CPU, "auto" stays eager
+    with pytest.raises(SystemExit):
+        _cli([*base, "--compile", "--auto-compile"])
+    with pytest.raises(SystemExit):
+        _cli([*base, "--compile-mode", "fastest"])
 
 
 def test_text_streamer_holds_back_split_characters():

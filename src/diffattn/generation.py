@@ -29,7 +29,12 @@ number changes from one token to the next. ``compile=True`` (static cache only) 
 :func:`decode_step`, through ``torch.compile``: it is compiled on the first decode step and
 reused for every later one. On the ``reference`` and ``sdpa`` backends the step is one graph
 (it compiles with ``fullgraph=True``): the slot and the mask stay on the device, so nothing is
-read back and nothing is recompiled per token.
+read back and nothing is recompiled per token. On CUDA the step is compiled with
+``mode="reduce-overhead"`` (``compile_mode``): CUDA graphs replay the whole step with one
+launch, the cache buffers marked as static addresses so the graph writes them in place.
+``compile="auto"`` compiles (with the static cache) on CUDA only, where a decode step is
+launch-bound, and decodes eagerly with ``cache`` elsewhere; the default, ``False``, decodes
+eagerly everywhere (see :func:`decoding_plan`).
 
 Streaming. ``streamer`` is either a callable, called with each new token column (a ``(B,)``
 int64 tensor on the model's device) as soon as it is chosen, or an object with ``put(tokens)``
@@ -39,6 +44,7 @@ int64 tensor on the model's device) as soon as it is chosen, or an object with `
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,21 +54,29 @@ import torch
 
 from diffattn.attention.kernels import flash_available
 from diffattn.cache import DynamicCache, StaticCache
-from diffattn.model import DiffTransformerLM
+from diffattn.model import COMPILE_MODES, DiffTransformerLM, let_dynamo_skip_kernel_logs
 
 __all__ = [
     "CACHE_KINDS",
+    "COMPILE_CHOICES",
     "GenerationConfig",
     "GenerationOutput",
     "apply_temperature",
+    "compiled_decode_step",
     "decode_step",
+    "decoding_plan",
     "generate",
+    "mark_static_cache",
     "sample_next_token",
     "top_k_filter",
     "top_p_filter",
 ]
 
 CACHE_KINDS = ("dynamic", "static")
+COMPILE_CHOICES = (False, True, "auto")
+"""``GenerationConfig.compile``: never, always (static cache), or on CUDA only."""
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""``torch.compile`` modes that capture CUDA graphs (each step starts a new replay)."""
 
 
 def _is_int(value: Any) -> bool:
@@ -84,8 +98,12 @@ class GenerationConfig:
         pad_token_id: what stopped rows receive (default: the first EOS id).
         seed: seeds a ``torch.Generator`` for the draws when no generator is passed.
         cache: ``"dynamic"`` or ``"static"`` (pre-allocated, fixed shapes).
-        compile: run the decode step through ``torch.compile`` (needs ``cache="static"``).
+        compile: run the decode step through ``torch.compile``: ``True`` (needs
+            ``cache="static"``), ``False``, or ``"auto"``: compiled with the static cache on
+            CUDA, eager with ``cache`` elsewhere (:func:`decoding_plan`).
         compile_backend: the ``torch.compile`` backend (``"inductor"``, ``"aot_eager"``, ...).
+        compile_mode: the ``torch.compile`` mode; ``None`` picks ``"reduce-overhead"`` (CUDA
+            graphs) on CUDA and the plain compile elsewhere.
         prefill_chunk_size: feed the prompt in chunks of this many tokens (``None``: at once).
     """
 
@@ -98,8 +116,9 @@ class GenerationConfig:
     pad_token_id: int | None = None
     seed: int | None = None
     cache: str = "dynamic"
-    compile: bool = False
+    compile: bool | str = False
     compile_backend: str = "inductor"
+    compile_mode: str | None = None
     prefill_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -114,9 +133,11 @@ class GenerationConfig:
     def _validate(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             self._fail("max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
-        for name in ("do_sample", "compile"):
-            if not isinstance(getattr(self, name), bool):
-                self._fail(name, f"must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.do_sample, bool):
+            self._fail("do_sample", f"must be a bool, got {self.do_sample!r}")
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
+            choices = ", ".join(map(repr, COMPILE_CHOICES))
+            self._fail("compile", f"must be one of {choices}, got {self.compile!r}")
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
             self._fail("temperature", f"must be a finite number >= 0, got {t!r}")
@@ -144,10 +165,13 @@ class GenerationConfig:
             self._fail("seed", f"must be an integer or None, got {self.seed!r}")
         if self.cache not in CACHE_KINDS:
             self._fail("cache", f"must be one of {', '.join(CACHE_KINDS)}, got {self.cache!r}")
-        if self.compile and self.cache != "static":
+        if self.compile is True and self.cache != "static":
             self._fail("compile", "compiling the decode step needs cache='static' (fixed shapes)")
         if not isinstance(self.compile_backend, str) or not self.compile_backend:
             self._fail("compile_backend", f"must be a backend name, got {self.compile_backend!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            modes = ", ".join(map(repr, COMPILE_MODES))
+            self._fail("compile_mode", f"must be one of {modes}, got {self.compile_mode!r}")
         chunk = self.prefill_chunk_size
         if chunk is not None and (not _is_int(chunk) or chunk < 1):
             self._fail("prefill_chunk_size", f"must be an integer >= 1 or None, got {chunk!r}")
@@ -286,6 +310,62 @@ def decode_step(
     return out.logits[:, -1]
 
 
+def decoding_plan(
+    config: GenerationConfig, model: DiffTransformerLM, device: torch.device
+) -> tuple[str, str | None]:
+    """How :func:`generate` decodes on ``device``: ``(cache kind, compile mode)``, the mode
+    ``None`` when the step runs eagerly.
+
+    ``compile=True`` compiles (``config.cache`` is then ``"static"``). ``compile="auto"``
+    compiles with the static cache on CUDA, unless the model's backend cannot run a static
+    cache (flash-attn), and keeps ``config.cache`` and eager decoding elsewhere. A compiled
+    step runs in ``config.compile_mode``, or by default in ``"reduce-overhead"`` (CUDA
+    graphs) on CUDA and in ``torch.compile``'s default mode elsewhere.
+    """
+    compiled = config.compile is True or (
+        config.compile == "auto"
+        and device.type == "cuda"
+        and _static_refusal(model, device) is None
+    )
+    if not compiled:
+        return config.cache, None
+    if config.compile_mode is not None:
+        return "static", config.compile_mode
+    return "static", "reduce-overhead" if device.type == "cuda" else "default"
+
+
+@functools.cache
+def compiled_decode_step(backend: str, mode: str = "default") -> Callable[..., torch.Tensor]:
+    """:func:`decode_step` through ``torch.compile(backend=..., mode=...)``, one per pair (so
+    later :func:`generate` calls reuse the compiled code).
+
+    In a CUDA-graph mode (:data:`CUDA_GRAPH_MODES`) each call first marks a new step
+    (``torch.compiler.cudagraph_mark_step_begin``): the previous step's outputs, such as its
+    logits and the cache's device-side length, are then free to be overwritten by the next
+    replay, so every decode step replays the same graph. Mark the cache's buffers with
+    :func:`mark_static_cache` so the graph writes them in place.
+    """
+    let_dynamo_skip_kernel_logs()
+    compiled = torch.compile(decode_step, backend=backend, mode=mode)
+    if mode not in CUDA_GRAPH_MODES:
+        return compiled
+
+    def step(*args: Any) -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args)
+
+    return step
+
+
+def mark_static_cache(cache: StaticCache) -> StaticCache:
+    """Mark every key and value buffer of ``cache`` as a static address, so a CUDA-graph step
+    updates them in place instead of copying them in and out (without a guard: a new cache
+    re-records the graph, it does not recompile). Returns ``cache``."""
+    for buffer in (*cache.keys, *cache.values):
+        torch._dynamo.mark_static_address(buffer)
+    return cache
+
+
 def _streamer_calls(streamer: Any) -> tuple[Callable | None, Callable | None]:
     if streamer is None:
         return None, None
@@ -300,9 +380,10 @@ def _streamer_calls(streamer: Any) -> tuple[Callable | None, Callable | None]:
     )
 
 
-def _check_static_backend(model: DiffTransformerLM, device: torch.device) -> None:
-    """The flash kernel aligns its causal mask to the end of the keys, which a static buffer
-    (keys up to max_len) breaks; refuse it instead of returning wrong tokens."""
+def _static_refusal(model: DiffTransformerLM, device: torch.device) -> str | None:
+    """Why ``model`` cannot decode into a static cache on ``device``, or ``None``: the flash
+    kernel aligns its causal mask to the end of the keys, which a static buffer (keys up to
+    max_len) breaks, so it is refused instead of returning wrong tokens."""
     backend = model.config.backend
     dtype = model.embed_tokens.weight.dtype
     auto_flash = (
@@ -312,10 +393,11 @@ def _check_static_backend(model: DiffTransformerLM, device: torch.device) -> Non
         and flash_available()
     )
     if backend == "flash" or auto_flash:
-        raise ValueError(
+        return (
             "cache='static' does not run on the flash attention backend; use cache='dynamic' "
             "or load the model with backend='sdpa'"
         )
+    return None
 
 
 def _prepare_mask(
@@ -406,13 +488,17 @@ def generate(
     if prompt_mask is not None:
         full_mask = torch.ones(bsz, total, dtype=torch.long, device=device)
         full_mask[:, :prompt_len] = prompt_mask
-    static = config.cache == "static"
+    cache_kind, compile_mode = decoding_plan(config, model, device)
+    static = cache_kind == "static"
     if static:
-        _check_static_backend(model, device)
+        refusal = _static_refusal(model, device)
+        if refusal is not None:
+            raise ValueError(refusal)
         cache = StaticCache(model.config, bsz, total, device=device, dtype=weight.dtype)
         step = decode_step
-        if config.compile:
-            step = torch.compile(decode_step, backend=config.compile_backend)
+        if compile_mode is not None:
+            step = compiled_decode_step(config.compile_backend, compile_mode)
+            mark_static_cache(cache)
     else:
         cache = DynamicCache()
 

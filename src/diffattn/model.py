@@ -12,7 +12,9 @@ so a model built on the meta device is usable after ``to_empty`` + ``init_weight
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,21 @@ from diffattn.config import ModelConfig
 from diffattn.layers import RMSNorm, RotaryEmbedding, SwiGLU
 
 IGNORE_INDEX = -100
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""The ``mode`` values of ``torch.compile`` that :meth:`DiffTransformerLM.compile_blocks` takes."""
+
+
+def let_dynamo_skip_kernel_logs() -> None:
+    """Make Dynamo drop, rather than break the graph at, the attention backends' log calls.
+
+    ``auto`` announces each backend it resolves, and a backend that steps aside warns once,
+    on the ``diffattn.kernels`` logger. Under ``torch.compile`` such a call would split the
+    graph (and fail ``fullgraph=True``); registered in ``ignore_logger_methods`` it is skipped
+    while tracing, so an eager run still logs it. Idempotent.
+    """
+    kernels = logging.getLogger("diffattn.kernels")
+    ignored = torch._dynamo.config.ignore_logger_methods
+    ignored.update((kernels.debug, kernels.info, kernels.warning))
 
 
 def _checkpoint(block, *args):
@@ -177,6 +194,39 @@ class DiffTransformerLM(nn.Module):
         if exclude_embeddings:
             total -= self.embed_tokens.weight.numel()
         return total
+
+    def compile_blocks(
+        self,
+        *,
+        backend: str | Callable = "inductor",
+        mode: str | None = None,
+        fullgraph: bool = False,
+        dynamic: bool | None = None,
+    ) -> DiffTransformerLM:
+        """``torch.compile`` every decoder block in place and return the model.
+
+        Each block (Eq.4–5: RMSNorm, RoPE, the attention with DIFF V1's subtraction and head
+        norm, SwiGLU, the residual adds) becomes one graph, so inductor fuses its element-wise
+        work; names and state-dict keys do not change. The embedding, final norm, LM head and
+        loss stay eager. ``fullgraph=True`` raises at the first graph break instead of
+        splitting the block (every block compiles whole on the ``reference``, ``sdpa`` and
+        ``auto`` backends); the other arguments are ``torch.compile``'s.
+
+        Raises:
+            ValueError: an unknown ``mode``, or a ``backend`` that is neither a name nor a
+                callable.
+        """
+        if mode not in COMPILE_MODES:
+            raise ValueError(
+                f"compile_blocks: mode must be one of {', '.join(map(str, COMPILE_MODES))}, "
+                f"got {mode!r}"
+            )
+        if not (callable(backend) or (isinstance(backend, str) and backend)):
+            raise ValueError(f"compile_blocks: backend must be a backend name, got {backend!r}")
+        let_dynamo_skip_kernel_logs()
+        for block in self.layers:
+            block.compile(backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+        return self
 
     def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
         if (input_ids is None) == (inputs_embeds is None):

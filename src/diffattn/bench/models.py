@@ -12,8 +12,8 @@ Every :class:`Candidate` has three ways of being run: ``call(ids, labels)`` (a f
 loss when labels are given) and ``decode(prompt, new_tokens)``, which runs the prompt into a
 fresh KV cache (untimed) and returns the timed part: ``new_tokens`` greedy steps of one token.
 Our models decode with a :class:`~diffattn.cache.StaticCache` through
-:func:`~diffattn.generation.decode_step` (optionally ``torch.compile``\\d with
-``fullgraph=True``); HF models with their own default cache.
+:func:`~diffattn.generation.decode_step` (optionally compiled as ``generate`` compiles it:
+CUDA graphs on CUDA); HF models with their own default cache.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from diffattn.bench.flops import (
 )
 from diffattn.cache import DynamicCache, StaticCache
 from diffattn.config import ModelConfig
-from diffattn.generation import decode_step
+from diffattn.generation import compiled_decode_step, decode_step, mark_static_cache
 from diffattn.model import DiffTransformerLM
 
 DEX_ROWS = ("dex_unmerged", "dex_merged")
@@ -102,7 +102,9 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def our_decode(model: DiffTransformerLM, cache_kind: str, compiled: bool):
     """The ``decode`` of one of our models (see the module docstring)."""
-    step = torch.compile(decode_step, fullgraph=True) if compiled else decode_step
+    device = model.embed_tokens.weight.device
+    mode = "reduce-overhead" if device.type == "cuda" else "default"  # as generate()'s
+    step = compiled_decode_step("inductor", mode) if compiled else decode_step
 
     @torch.no_grad()
     def prepare(prompt: torch.Tensor, new_tokens: int, eager: bool = False) -> Callable[[], None]:
@@ -123,6 +125,8 @@ def our_decode(model: DiffTransformerLM, cache_kind: str, compiled: bool):
         cache = StaticCache(
             model.config, bsz, length + new_tokens, device=weight.device, dtype=weight.dtype
         )
+        if compiled:
+            mark_static_cache(cache)
         slots = torch.arange(length, device=weight.device)
         token = decode_step(model, cache, prompt, None, slots).argmax(-1, keepdim=True)
 
@@ -179,7 +183,8 @@ def hf_decode(model: torch.nn.Module):
 def our_candidates(
     configs: dict[str, ModelConfig], device, dtype, compiled: bool = False
 ) -> list[Candidate]:
-    """Baseline, DIFF V1 and DIFF V2 on the backend of ``configs``."""
+    """Baseline, DIFF V1 and DIFF V2 on the backend of ``configs`` (``compiled``: their calls
+    are traced by ``torch.compile``, which ``auto`` resolves as such)."""
     probe = torch.empty(0, device=device, dtype=dtype)
     out = []
     for name, config in configs.items():
@@ -188,9 +193,10 @@ def our_candidates(
         mode_kernels = None
         if config.backend == "auto":  # resolved per call: what each mode's calls run on
             entry = ENTRY_OF[config.attention]
+            cases = dict.fromkeys(MODE_CASES, "traced") if compiled else MODE_CASES
             mode_kernels = {
                 mode: auto_choice(entry, case, device, dtype, config.dim_per_head)
-                for mode, case in MODE_CASES.items()
+                for mode, case in cases.items()
             }
             kernel = mode_kernels["fwd+bwd"]
         else:

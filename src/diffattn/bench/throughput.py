@@ -102,6 +102,7 @@ RECORD_FIELDS: dict[str, type | tuple[type, ...]] = {
     "new_tokens": (int, type(None)),
     "d_model": int,
     "layers": int,
+    "head_dim": int,
     "n_heads": int,
     "n_kv_heads": int,
     "vocab": int,
@@ -138,6 +139,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
     parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=HEAD_DIM,
+        help=f"width of the baseline's heads (default {HEAD_DIM}); n_heads = d_model / "
+        "head_dim, and DIFF V1 pairs them",
+    )
+    parser.add_argument(
         "--kv-heads",
         type=int,
         default=None,
@@ -160,8 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="decode: run our models' static-cache decode step through "
-        "torch.compile(fullgraph=True) (compiled during warmup)",
+        help="compile our models as the trainer and generate do (during warmup): every "
+        "decoder block through torch.compile for fwd and fwd+bwd, and the static-cache "
+        "decode step (CUDA graphs on CUDA) for decode",
     )
     parser.add_argument(
         "--mem-seq-len",
@@ -236,6 +245,16 @@ def lengths_of(args: argparse.Namespace) -> list[int]:
     return [args.seq_len]
 
 
+COMPILED_WARMUP = 2
+"""Untimed repetitions at least, with ``--compile``: the first compiles, and the second may
+compile again once ``auto`` has remembered its first choices."""
+
+
+def warmup_of(args: argparse.Namespace) -> int:
+    """Untimed repetitions before the timed ones (``--warmup``, raised for ``--compile``)."""
+    return max(args.warmup, COMPILED_WARMUP) if args.compile else args.warmup
+
+
 def prompt_len_of(args: argparse.Namespace, seq_len: int) -> int:
     """The decode prompt length at timed length ``seq_len``."""
     return args.prompt_len if args.prompt_len is not None else seq_len
@@ -262,13 +281,15 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             option = "--" + name.replace("_", "-")
             return f"{option} must be an integer >= {low}{why.get(name, '')}, got {value!r}"
-    d_model = args.d_model
-    if not isinstance(d_model, int) or d_model < 2 * HEAD_DIM or d_model % (2 * HEAD_DIM):
+    d_model, head_dim = args.d_model, args.head_dim
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 2 or head_dim % 2:
+        return f"--head-dim must be an even integer >= 2 (RoPE rotates pairs), got {head_dim!r}"
+    if not isinstance(d_model, int) or d_model < 2 * head_dim or d_model % (2 * head_dim):
         return (
-            f"--d-model must be a positive multiple of {2 * HEAD_DIM} (heads of width "
-            f"{HEAD_DIM}, and DIFF V1 pairs them), got {d_model!r}"
+            f"--d-model must be a positive multiple of {2 * head_dim} (heads of width "
+            f"{head_dim}, and DIFF V1 pairs them), got {d_model!r}"
         )
-    heads = d_model // HEAD_DIM
+    heads = d_model // head_dim
     kv = args.kv_heads
     if kv is not None and (heads % kv or kv % 2):
         return (
@@ -333,7 +354,7 @@ def build_configs(args: argparse.Namespace) -> dict[str, ModelConfig]:
         vocab_size=args.vocab,
         d_model=args.d_model,
         n_layers=args.layers,
-        n_heads=args.d_model // HEAD_DIM,
+        n_heads=args.d_model // args.head_dim,
         n_kv_heads=getattr(args, "kv_heads", None),
         max_seq_len=longest(args),
         attention="baseline",
@@ -599,6 +620,7 @@ def _records(candidates, mode, seq_len, times, peaks, args, mem_seq_len) -> list
                 "new_tokens": new if decode else None,
                 "d_model": args.d_model,
                 "layers": args.layers,
+                "head_dim": args.head_dim,
                 "n_heads": c.config.n_heads,
                 "n_kv_heads": c.config.num_kv_heads,
                 "vocab": args.vocab,
@@ -608,7 +630,7 @@ def _records(candidates, mode, seq_len, times, peaks, args, mem_seq_len) -> list
                 "threads": torch.get_num_threads(),
                 "dtype": args.dtype,
                 "backend": args.backend,
-                "compiled": bool(decode and args.compile and c.name in ATTENTIONS),
+                "compiled": bool(args.compile and c.name in ATTENTIONS),
                 "torch": torch.__version__,
             }
         )
@@ -651,11 +673,12 @@ def format_table(records: list[dict[str, Any]], mode: str, seq_len: int | None =
 
 
 def _mode_title(mode: str, seq_len: int, args: argparse.Namespace) -> str:
+    blocks = "; ours: compiled blocks" if args.compile else ""
     if mode == "fwd":
-        return f"forward, torch.no_grad(), N={seq_len}"
+        return f"forward, torch.no_grad(), N={seq_len}{blocks}"
     if mode == "fwd+bwd":
-        return f"forward + backward (loss, backward, zero grads), N={seq_len}"
-    caches = "ours: static cache" + (", torch.compile(fullgraph=True)" if args.compile else "")
+        return f"forward + backward (loss, backward, zero grads), N={seq_len}{blocks}"
+    caches = "ours: static cache" + (", compiled step" if args.compile else "")
     return (
         f"{args.new_tokens} greedy one-token steps after a {seq_len}-token prompt "
         f"(prefill untimed; {caches}; HF: its StaticCache)"
@@ -691,16 +714,16 @@ def cross_ratios(records: list[dict[str, Any]]) -> list[str]:
 
 def _report(records, configs, candidates, args) -> str:
     base = configs["baseline"]
-    heads = f"heads {base.n_heads}x{HEAD_DIM}, kv heads {base.num_kv_heads}"
+    heads = f"heads {base.n_heads}x{args.head_dim}, kv heads {base.num_kv_heads}"
     mem_n = args.mem_seq_len
     out = [
         f"diffattn bench: d_model {args.d_model}, layers {args.layers}, {heads} (V1: "
-        f"{base.n_heads // 2} of width 2x{HEAD_DIM}), d_ff {base.ffn_dim} (V2: "
+        f"{base.n_heads // 2} of width 2x{args.head_dim}), d_ff {base.ffn_dim} (V2: "
         f"{configs['diff_v2'].ffn_dim}), vocab {args.vocab}",
         f"batch {args.batch}; device {device_name(args.device)} ({torch.get_num_threads()} "
         f"threads), {args.dtype}, backend {args.backend}; torch {torch.__version__}",
         f"tokens/s = batch*N (decode: batch*new tokens) / median of {args.steps} interleaved "
-        f"runs (after {args.warmup} warmup); spread = (slowest - fastest) / median run; "
+        f"runs (after {warmup_of(args)} warmup); spread = (slowest - fastest) / median run; "
         "'x ref' = ratio to the row named in 'ref'; 'paired' = median over repetitions of the "
         "ratio within each repetition (slow drifts of load cancel); 'best' = the same ratio "
         "of the fastest runs (less sensitive to other load on the machine)",
@@ -732,7 +755,7 @@ def _report(records, configs, candidates, args) -> str:
         ours, hf = by_name["diff_v1"].params, by_name["hf_diffllama"].params
         note = (
             " (HF DiffLlama has no head-norm weight, 2d per layer)"
-            if ours - hf == 2 * HEAD_DIM * args.layers
+            if ours - hf == 2 * args.head_dim * args.layers
             else ""
         )
         out.append(
@@ -779,6 +802,9 @@ def build_candidates(args: argparse.Namespace, configs: dict[str, ModelConfig], 
     """Every model the run times, ours first (see :mod:`diffattn.bench.models`)."""
     device, dtype = args.device, DTYPES[args.dtype]
     candidates = our_candidates(configs, device, dtype, compiled=args.compile)
+    if args.compile:  # the blocks as the trainer compiles them (fwd and fwd+bwd)
+        for candidate in candidates:
+            candidate.model.compile_blocks()
     if not args.no_hf:
         hf = hf_candidates(configs, device, dtype)
         if not hf:
@@ -808,7 +834,14 @@ def _run(args: argparse.Namespace, configs: dict[str, ModelConfig], log) -> int:
             length = prompt_len_of(args, n) if mode == "decode" else n
             ids = _ids(args, length)
             times = time_interleaved(
-                candidates, ids, mode, args.steps, args.warmup, args.device, log, args.new_tokens
+                candidates,
+                ids,
+                mode,
+                args.steps,
+                warmup_of(args),
+                args.device,
+                log,
+                args.new_tokens,
             )
             mem_n = length if mode == "decode" else (args.mem_seq_len or n)
             log(f"[{mode} N={length}] peak memory at N={mem_n}, one run per model")

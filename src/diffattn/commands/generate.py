@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``generate`` verb's arguments to ``parser``."""
     from diffattn.config import BACKENDS
     from diffattn.generation import CACHE_KINDS
+    from diffattn.model import COMPILE_MODES
 
     parser.description = parser.description or DESCRIPTION
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="diffattn model directory")
@@ -61,10 +62,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache", choices=CACHE_KINDS, default="dynamic", help="KV cache kind (default: dynamic)"
     )
-    parser.add_argument(
+    compiling = parser.add_mutually_exclusive_group()
+    compiling.add_argument(
         "--compile",
-        action="store_true",
+        action="store_const",
+        const=True,
+        default=False,
         help="compile the decode step with torch.compile (uses the static cache)",
+    )
+    compiling.add_argument(
+        "--auto-compile",
+        dest="compile",
+        action="store_const",
+        const="auto",
+        help="compile the decode step on CUDA only (static cache, CUDA graphs); decode "
+        "eagerly elsewhere",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        choices=[mode for mode in COMPILE_MODES if mode is not None],
+        default=None,
+        help="torch.compile mode of the decode step (default: reduce-overhead, i.e. CUDA "
+        "graphs, on CUDA; the plain compile elsewhere)",
     )
     parser.add_argument(
         "--backend",
@@ -203,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: model directory not found")
     device = _parse_device(args.device)
-    cache = "static" if args.compile else args.cache
+    cache = "static" if args.compile is True else args.cache
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -212,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         cache=cache,
         compile=args.compile,
+        compile_mode=args.compile_mode,
     )  # validates the sampling options before anything is loaded
     tokenizer = text_tokenizer(model_dir, args.tokenizer)
     config = config.replace(eos_token_id=eos_token_ids(model_dir, tokenizer))

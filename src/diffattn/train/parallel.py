@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from diffattn.config import ModelConfig
-from diffattn.model import DiffTransformerLM
+from diffattn.model import DiffTransformerLM, let_dynamo_skip_kernel_logs
 from diffattn.train import distributed
 
 
@@ -74,7 +74,14 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def apply_compile(model: nn.Module) -> None:
-    """``torch.compile`` each decoder block in place (names unchanged)."""
+    """``torch.compile`` each decoder block in place (names unchanged): ours through
+    :meth:`~diffattn.model.DiffTransformerLM.compile_blocks`, any other model's blocks
+    (:func:`decoder_blocks`) with ``torch.compile``'s defaults."""
+    inner = unwrap(model)
+    if isinstance(inner, DiffTransformerLM):
+        inner.compile_blocks()
+        return
+    let_dynamo_skip_kernel_logs()
     for block in decoder_blocks(model):
         block.compile()
 
