@@ -11,6 +11,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
+from diffattn.attention import auto
 from diffattn.train.parallel import apply_compile
 from helpers import ATTENTIONS, TINY_VOCAB, tiny_diffattn
 
@@ -91,11 +92,14 @@ def test_every_block_compiles_whole_and_trains_like_eager(attention, backend):
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_compiled_blocks_on_auto_match_eager_and_settle(attention):
-    """``auto`` (the default backend): eager's numbers, and after the first steps no block is
-    compiled again. On the CPU, eager DIFF V1 runs the ``fused`` kernel and traced calls run
-    ``sdpa``, so λ's gradient differs in the fifth digit."""
+    """``auto`` (the default backend), from a fresh resolver: every block one whole graph
+    (``fullgraph=True``), eager's numbers, and after the first steps no block is compiled
+    again. On the CPU, eager DIFF V1 runs the ``fused`` kernel and traced calls run ``sdpa``,
+    so λ's gradient differs in the fifth digit."""
+    auto.forget()
+    auto._announced.clear()
     compiled, eager = _pair(attention, "auto")
-    compiled.compile_blocks(backend="aot_eager")
+    compiled.compile_blocks(backend="aot_eager", fullgraph=True)
     _compiled_step_matches_eager(compiled, eager, lengths=(7,), lambda_tolerance=2e-4)
     with torch._dynamo.config.patch(error_on_recompile=True):
         _compiled_step_matches_eager(compiled, eager, lengths=(7,), lambda_tolerance=2e-4)

@@ -195,13 +195,21 @@ def choose(call: Call, q: torch.Tensor, k: torch.Tensor, mask: AttentionMask) ->
     other devices flash-attn's ``accepts`` reads the mask, so every call is resolved."""
     if call.device == "cpu" and call in _memo:
         return _memo[call]
+    if torch.compiler.is_compiling():
+        # Traced: resolve without writing the memo, the announcements or the warnings, whose
+        # module-level sets Dynamo cannot mutate inside a graph (fullgraph=True would fail).
+        return _resolve(call, q, k, mask, record=False)
     chosen = _resolve(call, q, k, mask)
     if call.device == "cpu":
         _memo[call] = chosen
     return chosen
 
 
-def _resolve(call: Call, q: torch.Tensor, k: torch.Tensor, mask: AttentionMask) -> str:
+def _resolve(
+    call: Call, q: torch.Tensor, k: torch.Tensor, mask: AttentionMask, record: bool = True
+) -> str:
+    """The first candidate of :func:`order` that runs this call; ``record`` logs the skips
+    and the resolution once each (off while traced)."""
     chosen = "reference"
     for name in order(call):
         if name in refused(call):
@@ -211,19 +219,20 @@ def _resolve(call: Call, q: torch.Tensor, k: torch.Tensor, mask: AttentionMask) 
             continue
         not_ready = None if backend.ready is None else backend.ready(q)
         if not_ready is not None:
-            log_once(
-                "auto",
-                name,
-                f"skipping {name!r}: {not_ready}; auto runs these calls on the next choice "
-                f"({', '.join(order(call)[order(call).index(name) + 1 :]) or 'reference'})",
-            )
+            if record:
+                log_once(
+                    "auto",
+                    name,
+                    f"skipping {name!r}: {not_ready}; auto runs these calls on the next choice "
+                    f"({', '.join(order(call)[order(call).index(name) + 1 :]) or 'reference'})",
+                )
             continue
         if backend.accepts is not None and backend.accepts(q, k, mask) is not None:
             continue
         chosen = name
         break
     key = (call, chosen)
-    if key not in _announced:
+    if record and key not in _announced:
         _announced.add(key)
         logger.info(
             "auto: %s %s on %s %s -> %s",
