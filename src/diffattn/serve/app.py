@@ -9,6 +9,7 @@ SIGTERM, then stops the generation workers and returns.
 from __future__ import annotations
 
 import copy
+import signal
 import sys
 from typing import Any
 
@@ -105,7 +106,8 @@ def start_message(options: ServeOptions, model: Any, tokenizer: Any) -> list[str
 
 
 def serve(options: ServeOptions) -> int:
-    """Run the server until SIGINT/SIGTERM; returns 0 after a clean shutdown."""
+    """Run the server until SIGINT/SIGTERM; returns 0 after a clean shutdown (open requests get
+    :data:`GRACEFUL_SHUTDOWN_SECONDS` to finish)."""
     import uvicorn
 
     app, manager, state = build_app(options)
@@ -120,11 +122,24 @@ def serve(options: ServeOptions) -> int:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
     server = uvicorn.Server(config)
+    stopped_by: list[int] = []
+    # uvicorn handles SIGINT/SIGTERM while it serves, then restores the handlers it found and
+    # raises the signal again; these handlers receive it, so a stop asked for exits with 0.
+    previous = {
+        number: signal.signal(number, lambda received, _frame: stopped_by.append(received))
+        for number in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         server.run()
+    except SystemExit as error:  # uvicorn exits with 1 when it cannot listen
+        if server.started:
+            raise
+        raise ValueError(
+            f"--host {options.host} --port {options.port}: cannot listen there (see above)"
+        ) from error
     finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
         state.shutdown()
         manager.shutdown()
-    if not server.started:
-        raise ValueError(f"--host {options.host} --port {options.port}: could not listen there")
     return 0
