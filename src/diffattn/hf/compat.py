@@ -12,6 +12,7 @@ The supported range is stated in ``pyproject.toml`` and tested at both ends
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -178,6 +179,122 @@ own models swallow them in ``**kwargs``; a diffattn model's forward has no catch
 are taken out before it (``DiffAttnForCausalLM.prepare_inputs_for_generation``)."""
 
 
+def paged_cache_class() -> type:
+    """The class of the paged KV cache that continuous batching passes to ``forward`` (every
+    supported release has it under the same path)."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    return PagedAttentionCache
+
+
+@functools.cache
+def _paged_update_takes_kwargs() -> bool:
+    return "kwargs" in inspect.signature(paged_cache_class().update).parameters
+
+
+FULL_ATTENTION = "full_attention"
+"""The layer type of every diffattn layer in the paged cache (no sliding-window layers)."""
+
+
+def paged_cache_update(
+    cache: Any,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layer_index: int,
+    read_index: torch.Tensor,
+    write_index: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the new ``keys``/``values`` ``(1, H, T, d)`` of a paged cache's layer at the slots
+    ``write_index`` ``(T,)`` and return the keys and values at ``read_index`` ``(S,)`` as
+    ``(1, H, S, d)`` (the new ones themselves when ``read_index`` is empty).
+
+    5.0 takes the read and write indices of every layer group as lists and returns
+    ``(S, H, d)``; later releases take them in a dict of the batch's arguments (with the key
+    lengths per layer type, which the update only reformats) and return ``(1, H, S, d)``."""
+    if _paged_update_takes_kwargs():
+        lengths = torch.zeros(2, dtype=torch.int32, device=keys.device)
+        arguments = {
+            "cu_seq_lens_k": {FULL_ATTENTION: lengths},
+            "max_length_k": {FULL_ATTENTION: 0},
+            "read_index": [read_index],
+            "write_index": [write_index],
+        }
+        return cache.update(keys, values, layer_index, arguments)
+    if read_index.numel() == 0:  # 5.0 always reads back: read what was just written
+        read_index = write_index
+    keys, values = cache.update(keys, values, layer_index, [read_index], [write_index])
+    return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+
+
+def full_attention_lengths(cu_seq_lens_k: Any) -> torch.Tensor:
+    """The cumulative key lengths of the full-attention layers: a tensor (5.0) or a dict by layer
+    type (later releases; diffattn models have only ``full_attention`` layers)."""
+    if isinstance(cu_seq_lens_k, dict):
+        if set(cu_seq_lens_k) != {FULL_ATTENTION}:
+            raise ValueError(
+                f"cu_seq_lens_k covers layer types {sorted(cu_seq_lens_k)}; diffattn models "
+                f"have only {FULL_ATTENTION!r} layers"
+            )
+        return cu_seq_lens_k[FULL_ATTENTION]
+    return cu_seq_lens_k
+
+
+def strip_paged_prefix(attn_implementation: str | None) -> str | None:
+    """The attention implementation without the ``paged|`` prefix that continuous batching adds
+    (``paged|eager`` in every release; 5.0 also ``paged|sdpa`` and ``paged|flash_attention_2``)."""
+    if attn_implementation is not None and attn_implementation.startswith("paged|"):
+        return attn_implementation.removeprefix("paged|")
+    return attn_implementation
+
+
+def _continuous_batching_config_class() -> type | None:
+    """transformers' ``ContinuousBatchingConfig`` (5.x after 5.0; ``None`` in 5.0, whose
+    settings live on the ``GenerationConfig`` and which has no block-table decode path)."""
+    import transformers
+
+    return getattr(transformers, "ContinuousBatchingConfig", None)
+
+
+def with_paged_batching_defaults(
+    model: Any, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]]:
+    """The arguments of ``init_continuous_batching`` with the two settings diffattn's paged
+    forward needs (:mod:`diffattn.hf.paged`): no block-table decode path
+    (``max_blocks_per_request=0``) and no CUDA graphs (``use_cuda_graph=False``: the forward
+    groups requests by their lengths, read on the host). Other settings are kept; a
+    ``ContinuousBatchingConfig`` that asks for either is a ``ValueError`` naming the field.
+    Releases without ``ContinuousBatchingConfig`` get the arguments unchanged."""
+    config_class = _continuous_batching_config_class()
+    if config_class is None:
+        return args, kwargs
+    from transformers import GenerationMixin
+
+    bound = inspect.signature(GenerationMixin.init_continuous_batching).bind(model, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop("self", None)
+    config = arguments.get("continuous_batching_config")
+    if config is None:
+        generation = arguments.get("generation_config") or model.generation_config
+        config = getattr(generation, "continuous_batching_config", None)
+    config = config_class() if not isinstance(config, config_class) else copy.deepcopy(config)
+    if config.max_blocks_per_request:
+        raise ValueError(
+            f"ContinuousBatchingConfig(max_blocks_per_request={config.max_blocks_per_request}) "
+            "asks for the block-table decode path, which diffattn models do not take; leave it "
+            "unset or 0"
+        )
+    graphs = config.use_cuda_graph
+    if graphs is True or (isinstance(graphs, tuple) and any(graphs)):
+        raise ValueError(
+            f"ContinuousBatchingConfig(use_cuda_graph={graphs}): diffattn models run continuous "
+            "batching without CUDA graphs; leave it unset or False"
+        )
+    config.max_blocks_per_request = 0
+    config.use_cuda_graph = False
+    arguments["continuous_batching_config"] = config
+    return (), arguments
+
+
 # The arguments each supported release passes to ``create_masks_for_generate``, by name. A
 # name outside this set is a new release's addition that diffattn has not been checked
 # against: an error, not a silent guess.
@@ -275,14 +392,20 @@ __all__ = [
     "CACHE_FIELD",
     "CACHE_UPDATE_TAKES_SLOTS",
     "CHECKPOINTING_PROPERTY",
+    "FULL_ATTENTION",
     "MASK_ARGUMENTS_IGNORED",
     "check_cache_position",
     "check_mask_arguments",
     "disable_activation_checkpointing",
     "enable_activation_checkpointing",
+    "full_attention_lengths",
     "generic_config_keys",
     "is_activation_checkpointing",
     "keeping_loaded_tensors",
+    "paged_cache_class",
+    "paged_cache_update",
     "resolve_cache_argument",
+    "strip_paged_prefix",
     "update_cache",
+    "with_paged_batching_defaults",
 ]

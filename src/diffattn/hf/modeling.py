@@ -46,10 +46,19 @@ from diffattn.hf.compat import (
     check_mask_arguments,
     keeping_loaded_tensors,
     resolve_cache_argument,
+    strip_paged_prefix,
     update_cache,
+    with_paged_batching_defaults,
 )
 from diffattn.hf.configuration import DiffAttnConfig
+from diffattn.hf.paged import (
+    PagedBatchArguments,
+    check_paged_call,
+    is_paged_cache,
+    paged_forward,
+)
 from diffattn.hf.tp_plan import TP_PLAN
+from diffattn.hf.value_heads import merge_value_heads, split_value_heads, value_parts
 from diffattn.model import DecoderBlock, DiffTransformerLM, next_token_loss
 
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
@@ -89,7 +98,8 @@ def backend_for_implementation(attn_implementation: str | None) -> str:
     """The diffattn backend that serves a Hugging Face ``attn_implementation`` name."""
     if attn_implementation is None:
         return "auto"
-    backend = backend_for_hf(attn_implementation)
+    # continuous batching switches "eager" to "paged|eager" (5.0: every name gets the prefix)
+    backend = backend_for_hf(strip_paged_prefix(attn_implementation))
     if backend is None:
         raise ValueError(
             f"attn_implementation={attn_implementation!r} is not available for diffattn models; "
@@ -146,19 +156,13 @@ class HFCacheAdapter:
     def update(
         self, layer_index: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = k.shape[1] // v.shape[1]
-        if parts > 1:  # DIFF V1: one width-2d value head -> two width-d heads, exactly
-            b, hv, n, w = v.shape
-            v = v.reshape(b, hv, n, parts, w // parts).transpose(2, 3).reshape(b, hv * parts, n, -1)
+        parts = value_parts(k, v)  # DIFF V1: one width-2d value head -> two width-d heads
+        v = split_value_heads(v, parts)
         if self._slots is not None:
             keys, values = update_cache(self.cache, layer_index, k, v, slots=self._slots)
         else:
             keys, values = update_cache(self.cache, layer_index, k, v, self.get_seq_length())
-        if parts > 1:
-            b, h, n, w = values.shape
-            values = values.reshape(b, h // parts, parts, n, w).transpose(2, 3)
-            values = values.reshape(b, h // parts, n, parts * w)
-        return keys, values
+        return keys, merge_value_heads(values, parts)
 
     def advance(self) -> None:
         """The forward is done: the next one reads the (grown) length again. HF caches track
@@ -289,6 +293,14 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             model_kwargs.pop(name, None)
         return super().prepare_inputs_for_generation(*args, **model_kwargs)
 
+    def init_continuous_batching(self, *args: Any, **kwargs: Any):
+        """HF's continuous-batching manager (``generate_batch`` and ``transformers serve`` build
+        theirs here), with the block-table decode path and CUDA graphs off, which the paged
+        forward does not take (:func:`~diffattn.hf.compat.with_paged_batching_defaults`; a
+        config asking for them is refused). Arguments as in HF's method, all passed on."""
+        args, kwargs = with_paged_batching_defaults(self, args, kwargs)
+        return super().init_continuous_batching(*args, **kwargs)
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
@@ -332,6 +344,18 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
         num_items_in_batch: int | torch.Tensor | None = None,
         past_key_values: Any | None = None,
         cache_position: torch.LongTensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | dict[str, torch.Tensor] | None = None,
+        read_index: list[torch.Tensor] | None = None,
+        write_index: list[torch.Tensor] | None = None,
+        block_table: torch.Tensor | None = None,
+        logits_indices: torch.Tensor | None = None,
+        logits_processor_args: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | dict[str, int] | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_k: int | dict[str, int] | None = None,
+        is_causal: bool | None = None,
     ) -> DiffAttnCausalLMOutput:
         """HF's causal-LM forward. Every argument is used or checked; there is no catch-all, so
         an argument this model does not understand is a ``TypeError`` naming it.
@@ -346,8 +370,51 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             num_items_in_batch: the number of target tokens of the whole (accumulated) batch,
                 as HF's ``Trainer`` passes it: the loss is then the sum over this batch's
                 targets divided by it, as in HF's own causal LMs.
+            cu_seq_lens_q, cu_seq_lens_k, read_index, write_index, block_table: continuous
+                batching's packed batch over a paged cache (:mod:`diffattn.hf.paged`): given
+                together with a ``PagedAttentionCache``, and only then.
+            logits_indices, logits_processor_args: the rows continuous batching samples from
+                and its logits processors' inputs; it applies them to the returned logits
+                itself (the rows arrive again as a tensor ``logits_to_keep``).
+            max_length_q, max_length_k, max_seqlen_q, max_seqlen_k, is_causal: sizes and the
+                causal flag continuous batching passes for HF's kernels (``max_seqlen_*`` in
+                5.0); here the per-request lengths come from ``cu_seq_lens_q``/``_k`` and every
+                request is causal.
         """
         cache = resolve_cache_argument(cache, past_key_values)
+        if cu_seq_lens_q is not None or is_paged_cache(cache):
+            arguments = PagedBatchArguments(
+                cu_seq_lens_q, cu_seq_lens_k, read_index, write_index, block_table
+            )
+            unsupported = {
+                "inputs_embeds": inputs_embeds is not None,
+                "labels": labels is not None,
+                "output_attentions": bool(output_attentions),
+                "output_hidden_states": bool(output_hidden_states),
+            }
+            check_paged_call(arguments, cache, attention_mask, unsupported)
+            self._sync_backend()
+            logits = paged_forward(self.model, input_ids, position_ids, cache, arguments)
+            return self._causal_lm_output(None, logits, None, logits_to_keep, cache, return_dict)
+        varlen = {
+            "read_index": read_index,
+            "write_index": write_index,
+            "block_table": block_table,
+            "cu_seq_lens_k": cu_seq_lens_k,
+            "logits_indices": logits_indices,
+            "logits_processor_args": logits_processor_args,
+            "max_length_q": max_length_q,
+            "max_length_k": max_length_k,
+            "max_seqlen_q": max_seqlen_q,
+            "max_seqlen_k": max_seqlen_k,
+            "is_causal": is_causal,
+        }
+        given = sorted(name for name, value in varlen.items() if value is not None)
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: continuous-batching arguments, valid only with "
+                "cu_seq_lens_q and a PagedAttentionCache"
+            )
         if use_cache is None:
             use_cache = getattr(self.config, "use_cache", True)
         if cache is None and use_cache and not self.training:
@@ -394,10 +461,14 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
         )
-        logits = out.logits
         loss = out.loss
         if labels is not None and num_items_in_batch is not None:
-            loss = next_token_loss(logits, labels, reduction="sum") / num_items_in_batch
+            loss = next_token_loss(out.logits, labels, reduction="sum") / num_items_in_batch
+        return self._causal_lm_output(loss, out.logits, out, logits_to_keep, cache, return_dict)
+
+    def _causal_lm_output(self, loss, logits, out, logits_to_keep, cache, return_dict):
+        """HF's output of ``forward``: the logits rows ``logits_to_keep`` selects, the cache,
+        and the hidden states and maps of the core model's output ``out`` (if any)."""
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]
         elif isinstance(logits_to_keep, torch.Tensor):
@@ -405,9 +476,9 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
         output = DiffAttnCausalLMOutput(
             loss=loss,
             logits=logits,
-            hidden_states=out.hidden_states,
-            attentions=out.attentions,
-            attention_maps=out.attention_maps,
+            hidden_states=None if out is None else out.hidden_states,
+            attentions=None if out is None else out.attentions,
+            attention_maps=None if out is None else out.attention_maps,
             **{CACHE_FIELD: cache},
         )
         if return_dict is None:
