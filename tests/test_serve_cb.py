@@ -51,7 +51,8 @@ def _ask(client, name, index):
 )
 def test_continuous_batching_answers_equal_generate(kind, backend, tmp_path):
     model_dir = save_tiny_model(kind, tmp_path / kind, CONTEXT, seed=5)
-    options = ["--continuous-batching", "--cb-block-size", "16", "--cb-max-batch-tokens", "64"]
+    options = ["--continuous-batching", "--cb-block-size", "16", "--cb-num-blocks", "64"]
+    options += ["--cb-max-batch-tokens", "64"]
     if backend:
         options += ["--backend", backend]
     reference = Reference(model_dir, backend=backend)

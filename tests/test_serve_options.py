@@ -139,3 +139,13 @@ def test_refusals(path, body, message):
     with pytest.raises(RequestError, match=message.replace("(", r"\(")) as caught:
         check_request(path, body, facts(chat=chat))
     assert 400 <= caught.value.status < 500
+
+
+def test_continuous_batching_on_the_cpu_bounds_its_cache_unless_told():
+    from diffattn.serve.options import CPU_CACHE_FRACTION
+
+    default = parse_options("m", device="cpu", continuous_batching=True)
+    assert default.cb_sizes == {"max_memory_percent": CPU_CACHE_FRACTION}
+    sized = parse_options("m", device="cpu", continuous_batching=True, cb_sizes={"num_blocks": "9"})
+    assert sized.cb_sizes == {"num_blocks": 9}
+    assert parse_options("m", device="cpu").cb_sizes == {}

@@ -92,6 +92,9 @@ def start_message(options: ServeOptions, model: Any, tokenizer: Any) -> list[str
         f"diffattn serve: {options.name} ({type(model).__name__}, {model.dtype}, "
         f"{model.device}) on http://{options.host}:{options.port}/v1"
     ]
+    if options.continuous_batching:
+        sizes = ", ".join(f"{k}={v}" for k, v in options.cb_sizes.items()) or "transformers'"
+        lines.append(f"diffattn serve: continuous batching, sizes: {sizes}")
     if not options.is_loopback:
         lines.append(
             f"diffattn serve: listening on {options.host}, as asked with --host: reachable "

@@ -22,6 +22,10 @@ release         ``transformers.cli.serving``
                 ``gguf_file``
 5.20 –          ``build_server(..., systemone_handler=...)``; both loading hooks take
                 ``gguf_file``
+before 5.24     ``/v1/models`` lists the Hugging Face cache's models (``get_gen_models``), not
+                the pinned one, and answers 500 where there is no cache:
+                :class:`DiffAttnModelManager` lists the served model there, as 5.24's
+                ``list_models`` does
 ==============  ================================================================================
 
 The handlers ``build_server`` asks for are built from its signature
@@ -118,6 +122,21 @@ def _define_manager_class() -> type:
         ):
             self._check_name(model_id_and_revision)
             return self._loader.load_model()
+
+        if not hasattr(model_manager.ModelManager, "list_models"):  # before 5.24
+
+            def get_gen_models(self, cache_dir: str | None = None) -> list[dict]:
+                # /v1/models of a server pinned to one model lists that model, as 5.24 does.
+                loaded = self._served_name in self.loaded_models
+                return [
+                    {
+                        "id": self._served_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "local",
+                        "status": {"value": "loaded" if loaded else "unloaded"},
+                    }
+                ]
 
     return DiffAttnModelManager
 

@@ -92,13 +92,17 @@ class ServedModelLoader:
         return model
 
     def _set_eos(self, model: Any) -> None:
+        """EOS: ``generation_config.json``'s ``eos_token_id`` when it has one (``null``: none,
+        generation runs to its limit), else the tokenizer's."""
         directory = self.source.model_dir
-        eos = None
         generation_config = os.path.join(directory, GENERATION_CONFIG_FILE)
-        if os.path.isfile(generation_config):
-            eos = read_json(generation_config).get("eos_token_id")
-        if eos is None and has_tokenizer(directory):
+        saved = read_json(generation_config) if os.path.isfile(generation_config) else {}
+        if "eos_token_id" in saved:
+            eos = saved["eos_token_id"]
+        elif has_tokenizer(directory):
             eos = getattr(load_saved_tokenizer(directory), "eos_token_id", None)
+        else:
+            eos = None
         if eos is not None:
             model.generation_config.eos_token_id = eos
             if model.generation_config.pad_token_id is None:

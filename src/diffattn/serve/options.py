@@ -60,6 +60,11 @@ CB_SIZE_OPTIONS: dict[str, tuple[type, str]] = {
 }
 """The continuous-batching sizes (``--cb-block-size`` ...): type and meaning. They are the
 fields of transformers' ``ContinuousBatchingConfig`` that ``transformers serve`` exposes."""
+CPU_CACHE_FRACTION = 0.1
+"""On the CPU, continuous batching's paged KV cache takes this fraction of the machine's memory
+unless ``--cb-num-blocks`` or ``--cb-max-memory-percent`` says otherwise: transformers' own
+default sizes it from the machine's total memory as if the CPU were a dedicated accelerator
+(14 GB of a 23 GB machine for a model of a few MB)."""
 
 
 def parse_int(option: str, text: str | int, low: int, high: int | None = None) -> int:
@@ -160,6 +165,10 @@ def parse_options(
             raise ValueError(f"{option}: applies with --continuous-batching only")
         kind = CB_SIZE_OPTIONS[key][0]
         sizes[key] = parse_int(option, text, 1) if kind is int else parse_fraction(option, text)
+    resolved_device = parse_device(device)
+    sized = "num_blocks" in sizes or "max_memory_percent" in sizes
+    if continuous_batching and resolved_device == "cpu" and not sized:
+        sizes["max_memory_percent"] = CPU_CACHE_FRACTION
     if name is not None and not name.strip():
         raise ValueError("--name: must not be empty")
     return ServeOptions(
@@ -168,7 +177,7 @@ def parse_options(
         base=base,
         host=host,
         port=parse_int("--port", port, 1, 65535),
-        device=parse_device(device),
+        device=resolved_device,
         dtype=dtype,
         backend=backend,
         continuous_batching=continuous_batching,
