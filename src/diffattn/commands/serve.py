@@ -15,7 +15,14 @@ DESCRIPTION = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``serve`` verb's arguments to ``parser`` (values are checked by
     :func:`diffattn.serve.parse_options`, so a bad one is one line and exit code 2)."""
-    from diffattn.serve.options import CB_SIZE_OPTIONS, DEVICES_HELP, DTYPES, LOG_LEVELS, LOOPBACK
+    from diffattn.serve.options import (
+        CB_SIZE_OPTIONS,
+        CPU_CACHE_FRACTION,
+        DEVICES_HELP,
+        DTYPES,
+        LOG_LEVELS,
+        LOOPBACK,
+    )
 
     parser.add_argument(
         "model",
@@ -52,13 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="batch concurrent requests on transformers' paged attention",
     )
-    for key, (_, meaning) in CB_SIZE_OPTIONS.items():
+    for key, (kind, meaning) in CB_SIZE_OPTIONS.items():
+        help_text = f"continuous batching: {meaning} (default: transformers')"
+        if key == "max_memory_percent":
+            help_text += f"; on the CPU {CPU_CACHE_FRACTION} unless --cb-num-blocks is given"
         parser.add_argument(
             "--cb-" + key.replace("_", "-"),
             dest=f"cb_{key}",
             default=None,
-            metavar="N",
-            help=f"continuous batching: {meaning} (default: transformers')",
+            metavar="N" if kind is int else "F",
+            help=help_text,
         )
     parser.add_argument(
         "--compile",

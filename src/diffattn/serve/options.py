@@ -56,7 +56,7 @@ CB_SIZE_OPTIONS: dict[str, tuple[type, str]] = {
     "block_size": (int, "tokens per block of the paged KV cache"),
     "num_blocks": (int, "blocks of the paged KV cache"),
     "max_batch_tokens": (int, "tokens per forward of a batch"),
-    "max_memory_percent": (float, "fraction of free accelerator memory for the KV cache"),
+    "max_memory_percent": (float, "fraction of the device's memory for the KV cache"),
 }
 """The continuous-batching sizes (``--cb-block-size`` ...): type and meaning. They are the
 fields of transformers' ``ContinuousBatchingConfig`` that ``transformers serve`` exposes."""
