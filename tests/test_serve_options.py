@@ -27,6 +27,8 @@ BAD_OPTIONS = [
     ),
     (["--chat-template", "no-such-file.jinja"], "--chat-template: 'no-such-file.jinja' is neither"),
     (["--name", " "], "--name: must not be empty"),
+    (["--device", "cpu", "--compile"], "--compile: transformers compiles generation on CUDA"),
+    (["--continuous-batching", "--compile"], "--compile applies to sequential generation"),
 ]
 
 

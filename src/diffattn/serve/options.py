@@ -166,6 +166,16 @@ def parse_options(
         kind = CB_SIZE_OPTIONS[key][0]
         sizes[key] = parse_int(option, text, 1) if kind is int else parse_fraction(option, text)
     resolved_device = parse_device(device)
+    if compile and continuous_batching:
+        raise ValueError(
+            "--compile applies to sequential generation; transformers' continuous batching "
+            "does not read it"
+        )
+    if compile and resolved_device == "cpu":
+        raise ValueError(
+            "--compile: transformers compiles generation on CUDA devices only; on the CPU it "
+            "would only switch to a static cache"
+        )
     sized = "num_blocks" in sizes or "max_memory_percent" in sizes
     if continuous_batching and resolved_device == "cpu" and not sized:
         sizes["max_memory_percent"] = CPU_CACHE_FRACTION
