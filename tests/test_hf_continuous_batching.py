@@ -101,12 +101,13 @@ def reference_tokens(hf: DiffAttnForCausalLM, prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_generate_batch_equals_generate_for_every_request(attention):
     hf = hf_model(attention)
-    prompts = [*PROMPTS, PROMPTS[2]]  # the same prompt twice, among others
-    generation, sizes = batching(max_requests=3)  # five requests, at most three per batch
+    # the same prompts twice, among others (the long one's full pages can be shared)
+    prompts = [*PROMPTS, PROMPTS[2], PROMPTS[0]]
+    generation, sizes = batching(max_requests=3)  # six requests, at most three per batch
     results = hf.generate_batch(prompts, generation_config=generation, **sizes)
     expected = expected_by_prompt(hf, prompts)
     assert outputs_by_prompt(results, prompts) == expected
-    assert len(expected[tuple(PROMPTS[2])]) == 2
+    assert len(expected[tuple(PROMPTS[2])]) == len(expected[tuple(PROMPTS[0])]) == 2
     assert len({tuple(e[0]) for e in expected.values()}) == 4  # distinct prompts differ
 
 
@@ -123,7 +124,10 @@ def collect(manager, request_ids: set[str], deadline: float) -> dict[str, list[i
     return finished
 
 
-@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize(
+    "attention",  # DIFF V1 by default (two maps, split values); the others with the slow tests
+    [pytest.param(a, marks=pytest.mark.slow) if a != "diff_v1" else a for a in ATTENTIONS],
+)
 def test_manager_requests_added_while_others_decode(attention):
     """The manager API that servers use: a first request starts decoding, then others of
     different lengths arrive; every request still gets ``generate``'s tokens."""
@@ -171,6 +175,7 @@ def test_block_table_and_cuda_graph_settings_are_refused_with_the_field_named():
             hf.init_continuous_batching(generation, continuous_batching_config=config)
 
 
+@pytest.mark.slow
 def test_eager_runs_as_paged_eager_on_the_reference_kernel():
     """Continuous batching switches ``eager`` to ``paged|eager``; that is diffattn's reference
     kernel, and the model returns to ``eager`` afterwards."""
@@ -202,3 +207,86 @@ def test_release_passes_only_arguments_forward_names():
     }
     parameters = set(inspect.signature(DiffAttnForCausalLM.forward).parameters)
     assert names and names <= parameters | {"logits_to_keep"}, names - parameters
+
+
+class SlotStore:
+    """A stand-in for the paged cache: per layer, K and V rows at integer slots."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, keys, values, layer_index, read_index, write_index):
+        """:func:`diffattn.hf.compat.paged_cache_update`'s contract on ``(1, H, T, d)``."""
+        if layer_index not in self.rows:
+            shape = (self.slots, keys.shape[1], keys.shape[-1])
+            self.rows[layer_index] = (keys.new_full(shape, float("nan")),) * 2
+            self.rows[layer_index] = (self.rows[layer_index][0], values.new_full(shape, 0.0))
+        k_rows, v_rows = self.rows[layer_index]
+        k_rows[write_index] = keys[0].transpose(0, 1)
+        v_rows[write_index] = values[0].transpose(0, 1)
+        if read_index.numel() == 0:
+            return keys, values
+        return (rows[read_index].transpose(0, 1)[None] for rows in (k_rows, v_rows))
+
+
+def packed_step(sequences, slots, spans, padding: int = 0):
+    """The packed arguments of one continuous-batching step: request ``i`` feeds tokens
+    ``spans[i] = (start, stop)`` of ``sequences[i]`` (``start == stop``: a padding request of
+    length 0), then ``padding`` padding tokens follow."""
+    from diffattn.hf.paged import PagedBatchArguments
+
+    ids, positions, cu_q, cu_k, reads, writes = [], [], [0], [0], [], []
+    for sequence, own, (start, stop) in zip(sequences, slots, spans, strict=True):
+        ids += sequence[start:stop]
+        positions += range(start, stop)
+        cu_q.append(cu_q[-1] + stop - start)
+        cu_k.append(cu_k[-1] + (stop if stop > start else 0))
+        writes += own[start:stop]
+        reads += own[:stop] if stop > start else []
+    ids, positions = ids + [0] * padding, positions + [0] * padding
+    writes += [0] * padding  # the trash slot
+    arguments = PagedBatchArguments(
+        torch.tensor(cu_q, dtype=torch.int32),
+        {"full_attention": torch.tensor(cu_k, dtype=torch.int32)},
+        [torch.tensor(reads, dtype=torch.long)],
+        [torch.tensor(writes, dtype=torch.long)],
+    )
+    return torch.tensor([ids]), torch.tensor([positions], dtype=torch.int32), arguments
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_paged_forward_logits_equal_each_requests_own_forward(attention, monkeypatch):
+    """The paged path against its reference, the model's forward on each request alone (fp32,
+    logits to 1e-5): requests of 1, 7 and 129 tokens (and one of 7 beside them) fed in chunks of
+    different lengths over three steps, with keys at scattered slots, decode steps of unequal
+    key lengths (left padding), a padding request of length 0 and trailing padding tokens."""
+    from diffattn.hf import paged
+
+    store = SlotStore(slots=400)
+    monkeypatch.setattr(paged, "paged_cache_update", lambda cache, *a: store.update(*a))
+    model = tiny_diffattn(attention, seed=2)
+    generator = torch.Generator().manual_seed(0)
+    lengths = [1, 7, 129, 7]
+    sequences = [torch.randint(0, 128, (n,), generator=generator).tolist() for n in lengths]
+    order = torch.randperm(399, generator=generator) + 1  # slot 0 is the trash slot
+    slots = [order[sum(lengths[:i]) : sum(lengths[: i + 1])].tolist() for i in range(4)]
+    steps = [  # (start, stop) per request and step
+        [(0, 1), (0, 4), (0, 64), (0, 4)],
+        [(1, 1), (4, 5), (64, 65), (4, 5)],  # decode of keys 5, 65, 5; request 0 is padding
+        [(1, 1), (5, 7), (65, 129), (5, 7)],
+    ]
+    logits = {i: [] for i in range(4)}
+    with torch.no_grad():
+        for step, spans in enumerate(steps):
+            ids, positions, arguments = packed_step(sequences, slots, spans, padding=step)
+            out = paged.paged_forward(model, ids, positions, store, arguments)
+            assert out.shape == (1, ids.shape[1], 128)
+            starts = arguments.cu_seq_lens_q.tolist()
+            for i, (start, stop) in enumerate(spans):
+                logits[i].append(out[0, starts[i] : starts[i] + stop - start])
+            if step:
+                assert not out[0, starts[-1] :].any()  # padding tokens: zero rows
+        for i, sequence in enumerate(sequences):
+            full = model(torch.tensor([sequence])).logits[0]
+            torch.testing.assert_close(torch.cat(logits[i]), full, rtol=0, atol=1e-5)

@@ -19,6 +19,10 @@ Positions are derived from ``attention_mask`` (the running count of real tokens)
 ``output_attentions=True`` returns the differential maps (A1 − λA2 for DIFF V1/V2), i.e. the
 matrices that multiply V, not the raw softmax maps; ``attention_maps`` holds A1, A2 and λ too.
 
+Continuous batching (``generate_batch``, ``init_continuous_batching``, ``transformers serve
+--continuous-batching``): ``forward`` takes the packed batch and the paged cache by name and runs
+it through :mod:`diffattn.hf.paged`.
+
 Attention backend: ``attn_implementation`` chooses diffattn's run-time backend: ``"eager"`` runs
 ``reference``, ``"sdpa"`` runs ``sdpa`` and ``"flash_attention_2"`` runs ``flash`` (see
 :mod:`diffattn.attention.registry`). ``set_attn_implementation`` switches it on a built model.
