@@ -20,8 +20,8 @@ import shlex
 import statistics
 import sys
 import tempfile
-import threading
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,8 @@ def save_models(args, root: Path) -> dict[str, Path]:
     return paths
 
 
-def one_client(client, name: str, prompt: str, new_tokens: int, out: list) -> None:
+def one_client(client, name: str, prompt: str, new_tokens: int) -> tuple[float, int]:
+    """``(seconds to the first text, completion tokens)`` of one streaming request."""
     start = time.perf_counter()
     first = None
     tokens = 0
@@ -85,35 +86,29 @@ def one_client(client, name: str, prompt: str, new_tokens: int, out: list) -> No
             first = time.perf_counter() - start
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    out.append((first, tokens))
+    return first, tokens
 
 
 def measure(server, name: str, clients: int, args, round_index: int) -> tuple[float, float]:
     """``(tokens per second of all clients together, median time to first token)``."""
-    from serve_helpers import prompt_text
+    from serve_helpers import prompt_text, run_concurrently
 
-    results: list = []
-    threads = [
-        threading.Thread(
-            target=one_client,
-            args=(
-                server.client(),
-                name,
-                prompt_text(1000 * round_index + i, args.prompt_words),
-                args.new_tokens,
-                results,
-            ),
+    jobs = [
+        partial(
+            one_client,
+            server.client(),
+            name,
+            prompt_text(1000 * round_index + i, args.prompt_words),
+            args.new_tokens,
         )
         for i in range(clients)
     ]
     start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(600)
+    results = run_concurrently(jobs, timeout=600)
     wall = time.perf_counter() - start
-    if len(results) != clients:
-        raise RuntimeError(f"{name}: {clients - len(results)} of {clients} clients failed")
+    failed = [r for r in results if isinstance(r, Exception)]
+    if failed:
+        raise RuntimeError(f"{name}: {len(failed)} of {clients} clients failed: {failed[0]!r}")
     return sum(t for _, t in results) / wall, statistics.median(f for f, _ in results)
 
 

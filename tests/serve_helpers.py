@@ -14,7 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -212,3 +214,26 @@ class Reference:
             messages, add_generation_prompt=True, tokenize=True, return_dict=True
         )["input_ids"]
         return self.decode(self.tokens(list(ids), max_new_tokens))
+
+
+def run_concurrently(jobs: list[Callable[[], object]], timeout: float) -> list[object]:
+    """Run every job in its own thread at once; their results in order (an exception raised by
+    a job is its result). A job still running after ``timeout`` seconds is an error."""
+    results: list[object] = [None] * len(jobs)
+
+    def run(index: int) -> None:
+        try:
+            results[index] = jobs[index]()
+        except Exception as error:  # returned as the job's result, to be reported
+            results[index] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    late = [i for i, thread in enumerate(threads) if thread.is_alive()]
+    if late:
+        raise TimeoutError(f"jobs {late} did not finish within {timeout} s")
+    return results

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+from functools import partial
 
 import pytest
 
@@ -23,6 +24,7 @@ from serve_helpers import (
     ServerProcess,
     port_is_free,
     prompt_text,
+    run_concurrently,
     save_tiny_model,
 )
 
@@ -134,25 +136,16 @@ def test_concurrent_clients_each_get_their_own_greedy_answer(server, diff_v1_dir
         else:
             prompt = prompt_text(10 + i, words)
             jobs.append(("text", prompt, new, i % 4 == 0, reference.completion(prompt, new)))
-    results: dict[int, object] = {}
     barrier = threading.Barrier(CLIENTS, timeout=60)
 
     def client_job(index):
         kind, prompt, new, stream, _ = jobs[index]
         client = server.client()
-        try:
-            barrier.wait()
-            ask = chat if kind == "chat" else complete
-            results[index] = ask(client, name, prompt, stream=stream, max_tokens=new)
-        except Exception as error:  # reported below with its index
-            results[index] = error
+        barrier.wait()
+        ask = chat if kind == "chat" else complete
+        return ask(client, name, prompt, stream=stream, max_tokens=new)
 
-    threads = [threading.Thread(target=client_job, args=(i,)) for i in range(CLIENTS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert not any(t.is_alive() for t in threads), "a client did not finish within 120 s"
+    results = run_concurrently([partial(client_job, i) for i in range(CLIENTS)], timeout=120)
     for index, job in enumerate(jobs):
         assert results[index] == job[-1], f"client {index} ({job[0]}, stream={job[3]})"
 

@@ -7,8 +7,8 @@ DIFF V1 (on ``sdpa``) runs in the default suite; the baseline and DIFF V2 are ``
 
 from __future__ import annotations
 
-import threading
 import time
+from functools import partial
 
 import pytest
 
@@ -18,6 +18,7 @@ from serve_helpers import (
     Reference,
     ServerProcess,
     prompt_text,
+    run_concurrently,
     save_tiny_model,
 )
 
@@ -62,21 +63,12 @@ def test_continuous_batching_answers_equal_generate(kind, backend, tmp_path):
     process = ServerProcess(model_dir, *options, log=tmp_path / "log")
     try:
         process.warm_up(str(model_dir))
-        results: dict[int, object] = {}
 
         def client_job(index):
             time.sleep(index * ARRIVAL_GAP_SECONDS)  # arrivals spread over the decoding
-            try:
-                results[index] = _ask(process.client(), str(model_dir), index)
-            except Exception as error:  # reported below with its index
-                results[index] = error
+            return _ask(process.client(), str(model_dir), index)
 
-        threads = [threading.Thread(target=client_job, args=(i,)) for i in range(REQUESTS)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(180)
-        assert not any(t.is_alive() for t in threads), "a client did not finish within 180 s"
+        results = run_concurrently([partial(client_job, i) for i in range(REQUESTS)], 180)
         for index in range(REQUESTS):
             assert results[index] == expected[index], f"request {index}"
         assert "CB: True" in process.output()
