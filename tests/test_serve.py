@@ -326,3 +326,11 @@ def test_gguf_smollm2_serves_chat_with_its_own_template(tmp_path):
             assert text == reference.chat(messages, 16)
     finally:
         assert process.stop() == 0, process.output()
+
+
+def test_reset_unloads_and_the_next_request_loads_the_model_again(server, diff_v1_dir, reference):
+    assert server.request("POST", "/reset") == (200, {"status": "ok"})
+    prompt = prompt_text(30, 5)
+    assert complete(server.client(), str(diff_v1_dir), prompt) == reference.completion(
+        prompt, MAX_TOKENS
+    )
