@@ -183,13 +183,17 @@ class Reference:
     """The served model loaded as the server loads it, for greedy ``generate`` answers."""
 
     def __init__(
-        self, model_dir: Path, chat_template: str | None = None, backend: str | None = None
+        self,
+        model_dir: Path | str,
+        chat_template: str | None = None,
+        backend: str | None = None,
+        base: str | None = None,
     ) -> None:
         from diffattn.serve.model import ServedModelLoader
         from diffattn.serve.options import parse_options
 
         options = parse_options(
-            str(model_dir), device="cpu", chat_template=chat_template, backend=backend
+            str(model_dir), device="cpu", chat_template=chat_template, backend=backend, base=base
         )
         loader = ServedModelLoader(options)
         self.model = loader.load_model()

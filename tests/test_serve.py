@@ -310,6 +310,35 @@ def test_sigterm_with_a_request_in_flight_exits_0_and_frees_the_port(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_dex_adapter_serves_on_its_base_model(tmp_path):
+    """A Dex adapter directory with ``--base``: the base Llama with the adapter applied."""
+    import torch
+
+    from diffattn import dex
+    from diffattn.dex.adapter import named_trainable_parameters
+    from diffattn.loading import load_model
+
+    base = save_tiny_model("llama", tmp_path / "base", CONTEXT, seed=7)
+    model = load_model(base)
+    dex.apply(model, {0: [1, 3], 1: [0]}, anneal_steps=0, lambda_init=0.5)
+    torch.manual_seed(0)
+    with torch.no_grad():  # as if trained: Dex starts out computing what the base computes
+        for _, parameter in named_trainable_parameters(model):
+            parameter.add_(0.5 * torch.randn_like(parameter))
+    adapter = dex.save_adapter(model, tmp_path / "adapter")
+    reference = Reference(adapter, base=str(base))
+    process = ServerProcess(adapter, "--base", str(base), log=tmp_path / "log")
+    try:
+        prompt = prompt_text(40, 6)
+        for stream in (False, True):
+            text = complete(process.client(), str(adapter), prompt, stream)
+            assert text == reference.completion(prompt, MAX_TOKENS)
+        assert text != Reference(base).completion(prompt, MAX_TOKENS)  # the adapter counts
+    finally:
+        assert process.stop() == 0, process.output()
+
+
+@pytest.mark.slow
 def test_gguf_smollm2_serves_chat_with_its_own_template(tmp_path):
     """``diffattn serve smollm2``: the GGUF file dequantised, its tokenizer's chat template."""
     import importlib.util
