@@ -44,6 +44,7 @@ LAYERS: dict[str, int] = {
     "diffattn.probe": 1,
     "diffattn.loading": 1,
     "diffattn.recipes": 1,
+    "diffattn.serve": 1,
     # experiments
     "diffattn.compare": 2,
     "diffattn.bench": 2,

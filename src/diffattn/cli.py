@@ -12,6 +12,7 @@ VERBS: tuple[tuple[str, str], ...] = (
     ("compare", "train baseline, DIFF V1 and DIFF V2 the same way and report (the main job)"),
     ("train", "train a model from a YAML recipe (single process or torchrun)"),
     ("generate", "generate text from a model directory, streaming tokens"),
+    ("serve", "serve a model over an OpenAI-compatible HTTP API (transformers serve)"),
     ("convert", "convert weights between HF Llama / DiffLlama / GGUF and diffattn"),
     ("dex", "Dex on a pretrained decoder: select heads, train, merge, compare"),
     ("eval", "measure the papers' claims: loss slices, needles, outliers, heads, Hessian"),

@@ -171,6 +171,14 @@ def check_cache_position(
         )
 
 
+GENERATE_ONLY_ARGUMENTS = ("tokenizer", "assistant_tokenizer")
+"""``generate()`` arguments meant for generation itself (stop strings, assisted decoding), not
+for the model. From 5.24 (at least) ``generate`` hands them to the decoding loop together with
+the model inputs, and ``prepare_inputs_for_generation`` forwards them to ``forward``, where HF's
+own models swallow them in ``**kwargs``; a diffattn model's forward has no catch-all, so they
+are taken out before it (``DiffAttnForCausalLM.prepare_inputs_for_generation``)."""
+
+
 def paged_cache_class() -> type:
     """The class of the paged KV cache that continuous batching passes to ``forward`` (every
     supported release has it under the same path)."""

@@ -45,6 +45,7 @@ from diffattn.attention.common import AttentionMaps
 from diffattn.attention.registry import backend_for_hf
 from diffattn.hf.compat import (
     CACHE_FIELD,
+    GENERATE_ONLY_ARGUMENTS,
     check_cache_position,
     check_mask_arguments,
     keeping_loaded_tensors,
@@ -287,6 +288,14 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             if max_len is not None:  # pre-allocated: one mask shape for every step
                 return spanning_mask(attention_mask, max_len)
         return attention_mask
+
+    def prepare_inputs_for_generation(self, *args: Any, **model_kwargs: Any) -> dict:
+        """HF's preparation, without the arguments ``generate`` keeps for itself (its
+        ``tokenizer`` for stop strings, :data:`~diffattn.hf.compat.GENERATE_ONLY_ARGUMENTS`),
+        which some releases pass along with the model inputs."""
+        for name in GENERATE_ONLY_ARGUMENTS:
+            model_kwargs.pop(name, None)
+        return super().prepare_inputs_for_generation(*args, **model_kwargs)
 
     def init_continuous_batching(self, *args: Any, **kwargs: Any):
         """HF's continuous-batching manager (``generate_batch`` and ``transformers serve`` build

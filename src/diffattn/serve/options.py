@@ -1,0 +1,198 @@
+"""The settings of ``diffattn serve``, checked before anything is loaded.
+
+:func:`parse_options` turns the command line's strings into a :class:`ServeOptions`; every bad
+value is a ``ValueError`` whose one-line message names the option and what it accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+DEVICES_HELP = "auto, cpu, cuda or cuda:N"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+TEMPLATE_MARKERS = ("{{", "{%")
+"""A ``--chat-template`` value holding one of these is a Jinja template, not a file name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """What ``diffattn serve`` was asked for (see ``diffattn serve --help``).
+
+    ``chat_template`` is the template text itself (read from the file when a path was given);
+    ``cb_sizes`` holds the continuous-batching sizes that were set, by
+    :data:`CB_SIZE_OPTIONS` name.
+    """
+
+    model: str
+    name: str
+    base: str | None = None
+    host: str = LOOPBACK
+    port: int = 8000
+    device: str = "auto"
+    dtype: str = "auto"
+    backend: str | None = None
+    continuous_batching: bool = False
+    cb_sizes: dict[str, int | float] = dataclasses.field(default_factory=dict)
+    compile: bool = False
+    chat_template: str | None = None
+    log_level: str = "warning"
+
+    @property
+    def is_loopback(self) -> bool:
+        """Whether ``host`` only accepts connections from this machine."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+CB_SIZE_OPTIONS: dict[str, tuple[type, str]] = {
+    "block_size": (int, "tokens per block of the paged KV cache"),
+    "num_blocks": (int, "blocks of the paged KV cache"),
+    "max_batch_tokens": (int, "tokens per forward of a batch"),
+    "max_memory_percent": (float, "fraction of the device's memory for the KV cache"),
+}
+"""The continuous-batching sizes (``--cb-block-size`` ...): type and meaning. They are the
+fields of transformers' ``ContinuousBatchingConfig`` that ``transformers serve`` exposes."""
+CPU_CACHE_FRACTION = 0.1
+"""On the CPU, continuous batching's paged KV cache takes this fraction of the machine's memory
+unless ``--cb-num-blocks`` or ``--cb-max-memory-percent`` says otherwise: transformers' own
+default sizes it from the machine's total memory as if the CPU were a dedicated accelerator
+(14 GB of a 23 GB machine for a model of a few MB)."""
+
+
+def parse_int(option: str, text: str | int, low: int, high: int | None = None) -> int:
+    """``text`` as an integer in ``[low, high]``, or a ``ValueError`` naming ``option``."""
+    try:
+        value = int(str(text), 10)
+    except ValueError:
+        raise ValueError(f"{option}: expected an integer, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        bounds = f"at least {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"{option}: must be {bounds}, got {value}")
+    return value
+
+
+def parse_fraction(option: str, text: str | float) -> float:
+    """``text`` as a number in ``(0, 1]``, or a ``ValueError`` naming ``option``."""
+    try:
+        value = float(str(text))
+    except ValueError:
+        raise ValueError(f"{option}: expected a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{option}: must be in (0, 1], got {value}")
+    return value
+
+
+def parse_device(text: str) -> str:
+    """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; CUDA
+    where there is none is an error."""
+    import torch
+
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if text == "cpu":
+        return text
+    if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {text}: CUDA is not available on this machine")
+        index = int(text[5:]) if ":" in text else 0
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise ValueError(f"--device {text}: this machine has {count} GPU(s)")
+        return text
+    raise ValueError(f"--device: expected {DEVICES_HELP}, got {text!r}")
+
+
+def read_chat_template(text: str) -> str:
+    """The Jinja text of ``--chat-template``: the value itself when it looks like a template
+    (holds ``{{`` or ``{%``), else the contents of the file it names."""
+    if any(marker in text for marker in TEMPLATE_MARKERS):
+        return text
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ValueError(
+            f"--chat-template: {text!r} is neither a file nor a Jinja template (no '{{{{' or "
+            "'{%' in it)"
+        )
+    template = path.read_text(encoding="utf-8")
+    if not template.strip():
+        raise ValueError(f"--chat-template: {path} is empty")
+    return template
+
+
+def parse_options(
+    model: str,
+    *,
+    name: str | None = None,
+    base: str | None = None,
+    host: str = LOOPBACK,
+    port: str | int = 8000,
+    device: str = "auto",
+    dtype: str = "auto",
+    backend: str | None = None,
+    continuous_batching: bool = False,
+    cb_sizes: dict[str, str | None] | None = None,
+    compile: bool = False,
+    chat_template: str | None = None,
+    log_level: str = "warning",
+) -> ServeOptions:
+    """Check every setting and return them as :class:`ServeOptions` (nothing is loaded)."""
+    from diffattn.config import BACKENDS
+
+    if not host or any(c.isspace() for c in host):
+        raise ValueError(f"--host: expected an address or host name, got {host!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"--backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if log_level not in LOG_LEVELS:
+        raise ValueError(f"--log-level: expected one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+    sizes: dict[str, int | float] = {}
+    for key, text in (cb_sizes or {}).items():
+        if text is None:
+            continue
+        if key not in CB_SIZE_OPTIONS:
+            raise ValueError(f"unknown continuous-batching size {key!r}")
+        option = "--cb-" + key.replace("_", "-")
+        if not continuous_batching:
+            raise ValueError(f"{option}: applies with --continuous-batching only")
+        kind = CB_SIZE_OPTIONS[key][0]
+        sizes[key] = parse_int(option, text, 1) if kind is int else parse_fraction(option, text)
+    resolved_device = parse_device(device)
+    if compile and continuous_batching:
+        raise ValueError(
+            "--compile applies to sequential generation; transformers' continuous batching "
+            "does not read it"
+        )
+    if compile and resolved_device == "cpu":
+        raise ValueError(
+            "--compile: transformers compiles generation on CUDA devices only; on the CPU it "
+            "would only switch to a static cache"
+        )
+    sized = "num_blocks" in sizes or "max_memory_percent" in sizes
+    if continuous_batching and resolved_device == "cpu" and not sized:
+        sizes["max_memory_percent"] = CPU_CACHE_FRACTION
+    if name is not None and not name.strip():
+        raise ValueError("--name: must not be empty")
+    return ServeOptions(
+        model=model,
+        name=name if name is not None else model,
+        base=base,
+        host=host,
+        port=parse_int("--port", port, 1, 65535),
+        device=resolved_device,
+        dtype=dtype,
+        backend=backend,
+        continuous_batching=continuous_batching,
+        cb_sizes=sizes,
+        compile=compile,
+        chat_template=read_chat_template(chat_template) if chat_template is not None else None,
+        log_level=log_level,
+    )

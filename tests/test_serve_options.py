@@ -1,0 +1,155 @@
+"""``diffattn serve`` options and request checks, without a server: every bad option value is
+one line on stderr and exit code 2; the request checks fill in or refuse token limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from diffattn import cli
+from diffattn.serve.options import LOOPBACK, parse_options
+from diffattn.serve.validation import RequestError, ServedModelFacts, check_request
+from serve_helpers import MISSING, SKIP_REASON
+
+BAD_OPTIONS = [
+    (["--port", "http"], "--port: expected an integer, got 'http'"),
+    (["--port", "0"], "--port: must be between 1 and 65535, got 0"),
+    (["--port", "70000"], "--port: must be between 1 and 65535, got 70000"),
+    (["--dtype", "float8"], "--dtype: expected one of auto, float32, bfloat16, float16"),
+    (["--device", "tpu"], "--device: expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (["--backend", "magic"], "--backend: expected one of"),
+    (["--host", ""], "--host: expected an address or host name"),
+    (["--log-level", "loud"], "--log-level: expected one of"),
+    (["--cb-num-blocks", "8"], "--cb-num-blocks: applies with --continuous-batching only"),
+    (["--continuous-batching", "--cb-num-blocks", "-1"], "--cb-num-blocks: must be at least 1"),
+    (["--continuous-batching", "--cb-block-size", "x"], "--cb-block-size: expected an integer"),
+    (
+        ["--continuous-batching", "--cb-max-memory-percent", "1.5"],
+        "--cb-max-memory-percent: must be in (0, 1]",
+    ),
+    (["--chat-template", "no-such-file.jinja"], "--chat-template: 'no-such-file.jinja' is neither"),
+    (["--name", " "], "--name: must not be empty"),
+    (["--device", "cpu", "--compile"], "--compile: transformers compiles generation on CUDA"),
+    (["--continuous-batching", "--compile"], "--compile applies to sequential generation"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_OPTIONS, ids=lambda v: str(v)[:40])
+def test_bad_option_value_is_one_line_and_exit_code_2(argv, message, tmp_path, capsys):
+    code = cli.main(["serve", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1, err
+    assert err.startswith("diffattn serve: error: ") and message in err, err
+
+
+@pytest.mark.skipif(bool(MISSING), reason=SKIP_REASON)
+def test_a_path_that_is_no_model_is_one_line_and_exit_code_2(tmp_path, capsys):
+    code = cli.main(["serve", str(tmp_path / "missing"), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "no such file or directory" in err, err
+
+
+def test_cuda_where_there_is_none_is_refused(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="--device cuda: CUDA is not available"):
+        parse_options(str(tmp_path), device="cuda")
+
+
+def test_chat_template_is_read_from_a_file_or_taken_as_given(tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert parse_options("m", chat_template=template).chat_template == template
+    (tmp_path / "t.jinja").write_text(template)
+    assert parse_options("m", chat_template=str(tmp_path / "t.jinja")).chat_template == template
+    (tmp_path / "empty.jinja").write_text(" \n")
+    with pytest.raises(ValueError, match="is empty"):
+        parse_options("m", chat_template=str(tmp_path / "empty.jinja"))
+
+
+def test_host_defaults_to_loopback_and_another_address_is_echoed_as_exposed():
+    from diffattn.serve.app import start_message
+
+    class Model:
+        dtype, device = "float32", "cpu"
+
+    class Tokenizer:
+        chat_template = "x"
+
+    options = parse_options("m", device="cpu")
+    assert options.host == LOOPBACK and options.is_loopback
+    assert len(start_message(options, Model(), Tokenizer())) == 1
+    exposed = parse_options("m", device="cpu", host="0.0.0.0")
+    assert not exposed.is_loopback
+    lines = start_message(exposed, Model(), Tokenizer())
+    assert "listening on 0.0.0.0, as asked with --host" in lines[1]
+    assert parse_options("m", device="cpu", host="::1").is_loopback
+
+
+# ------------------------------------------------------------------------------------------
+def facts(context=32, default=1024, chat=True) -> ServedModelFacts:
+    return ServedModelFacts(
+        name="m",
+        context=context,
+        default_max_tokens=default,
+        count_text=lambda text: len(text.split()),
+        count_chat=(lambda messages, tools: sum(len(m["content"].split()) for m in messages) + 1)
+        if chat
+        else None,
+        chat_hint="use --chat-template",
+        to_chat_messages=lambda path, body: body["messages"],
+    )
+
+
+def test_no_limit_is_cut_to_what_the_context_leaves():
+    body = check_request("/v1/completions", {"prompt": "a b c"}, facts())
+    assert body["max_tokens"] == 29
+    chat = check_request(
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}, facts()
+    )
+    assert chat["max_tokens"] == 30  # the chat handler reads max_tokens after max_completion_tokens
+
+
+def test_a_default_that_fits_is_left_to_the_handler():
+    body = {"prompt": "a b c"}
+    assert check_request("/v1/completions", body, facts(default=8)) is body
+
+
+def test_a_given_limit_that_fits_passes_unchanged():
+    body = {"prompt": "a b c", "max_tokens": 29}
+    assert check_request("/v1/completions", body, facts()) is body
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        (
+            "/v1/completions",
+            {"prompt": "a b c", "max_tokens": 30},
+            "lower 'max_tokens' to at most 29",
+        ),
+        ("/v1/completions", {"prompt": " ".join("a" * 32)}, "the prompt is 32 tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}]},
+            "use --chat-template",
+        ),
+        ("/v1/responses", {"input": 3}, "'input' must be a string or a list"),
+    ],
+)
+def test_refusals(path, body, message):
+    chat = "use --chat-template" not in message
+    with pytest.raises(RequestError, match=message.replace("(", r"\(")) as caught:
+        check_request(path, body, facts(chat=chat))
+    assert 400 <= caught.value.status < 500
+
+
+def test_continuous_batching_on_the_cpu_bounds_its_cache_unless_told():
+    from diffattn.serve.options import CPU_CACHE_FRACTION
+
+    default = parse_options("m", device="cpu", continuous_batching=True)
+    assert default.cb_sizes == {"max_memory_percent": CPU_CACHE_FRACTION}
+    sized = parse_options("m", device="cpu", continuous_batching=True, cb_sizes={"num_blocks": "9"})
+    assert sized.cb_sizes == {"num_blocks": 9}
+    assert parse_options("m", device="cpu").cb_sizes == {}
