@@ -23,7 +23,7 @@ import functools
 import importlib.util
 import re
 import sys
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, requires, version
 from pathlib import Path
 
 import pytest
@@ -50,6 +50,9 @@ MODULE_EXTRAS = {
     "lm_eval": "lm-eval",
     "flash_attn": "flash",
     "triton": "triton",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "openai": "serve",
 }
 """The extra that provides each optional top-level module a test may import."""
 
@@ -96,7 +99,15 @@ def _unsatisfied(requirement: str, seen: frozenset[str]) -> list[str]:
         return [f"{requirement} is not installed"]
     if req.specifier and not req.specifier.contains(found, prereleases=True):
         return [f"{requirement} is not installed ({req.name} {found} is)"]
-    return []
+    out = []
+    for extra in sorted(req.extras):  # transformers[serving]: the packages of its extra too
+        for dependency in requires(req.name) or []:
+            dep = Requirement(dependency)
+            if dep.marker is not None and dep.marker.evaluate({"extra": extra}):
+                if dep.marker.evaluate({"extra": ""}):
+                    continue  # not specific to the extra: the package itself needs it
+                out.extend(_unsatisfied(str(dep).split(";")[0], seen))
+    return out
 
 
 @functools.cache

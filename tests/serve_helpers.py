@@ -21,8 +21,6 @@ from pathlib import Path
 
 import torch
 
-from diffattn.serve.hf_serving import missing_packages
-
 SRC = Path(__file__).resolve().parents[1] / "src"
 HOST = "127.0.0.1"
 WORDS = 126
@@ -35,8 +33,6 @@ CHAT_TEMPLATE = (
 START_SECONDS = 120
 STOP_SECONDS = 30
 WARM_UP_SECONDS = 600
-MISSING = missing_packages()
-SKIP_REASON = f"needs the serve extra (pip install 'diffattn[serve]'); missing: {MISSING}"
 
 
 def word_tokenizer():

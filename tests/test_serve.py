@@ -15,11 +15,10 @@ from functools import partial
 
 import pytest
 
+from extras import require_extra
 from serve_helpers import (
     CHAT_TEMPLATE,
     HOST,
-    MISSING,
-    SKIP_REASON,
     Reference,
     ServerProcess,
     port_is_free,
@@ -28,7 +27,7 @@ from serve_helpers import (
     save_tiny_model,
 )
 
-pytestmark = pytest.mark.skipif(bool(MISSING), reason=SKIP_REASON)
+pytestmark = require_extra("hf", "serve")
 
 MAX_TOKENS = 12
 CONTEXT = 96

@@ -12,9 +12,8 @@ from functools import partial
 
 import pytest
 
+from extras import require_extra
 from serve_helpers import (
-    MISSING,
-    SKIP_REASON,
     Reference,
     ServerProcess,
     prompt_text,
@@ -22,7 +21,7 @@ from serve_helpers import (
     save_tiny_model,
 )
 
-pytestmark = pytest.mark.skipif(bool(MISSING), reason=SKIP_REASON)
+pytestmark = require_extra("hf", "serve")
 
 CONTEXT = 96
 REQUESTS = 10

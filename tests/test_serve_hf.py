@@ -9,9 +9,10 @@ import inspect
 import pytest
 import torch
 
-from serve_helpers import MISSING, SKIP_REASON, save_tiny_model, word_tokenizer
+from extras import require_extra
+from serve_helpers import save_tiny_model, word_tokenizer
 
-pytestmark = pytest.mark.skipif(bool(MISSING), reason=SKIP_REASON)
+pytestmark = require_extra("hf", "serve")
 
 
 def served_model(model_dir):

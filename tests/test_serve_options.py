@@ -8,7 +8,6 @@ import pytest
 from diffattn import cli
 from diffattn.serve.options import LOOPBACK, parse_options
 from diffattn.serve.validation import RequestError, ServedModelFacts, check_request
-from serve_helpers import MISSING, SKIP_REASON
 
 BAD_OPTIONS = [
     (["--port", "http"], "--port: expected an integer, got 'http'"),
@@ -42,7 +41,7 @@ def test_bad_option_value_is_one_line_and_exit_code_2(argv, message, tmp_path, c
     assert err.startswith("diffattn serve: error: ") and message in err, err
 
 
-@pytest.mark.skipif(bool(MISSING), reason=SKIP_REASON)
+@pytest.mark.extra("serve")
 def test_a_path_that_is_no_model_is_one_line_and_exit_code_2(tmp_path, capsys):
     code = cli.main(["serve", str(tmp_path / "missing"), "--device", "cpu"])
     err = capsys.readouterr().err
