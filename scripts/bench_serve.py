@@ -51,6 +51,7 @@ def save_models(args, root: Path) -> dict[str, Path]:
 
     from diffattn import DiffTransformerLM, ModelConfig
     from diffattn.checkpoint import save_model
+    from diffattn.presets import match_v2_params
     from serve_helpers import VOCAB, word_tokenizer
 
     paths = {}
@@ -64,6 +65,10 @@ def save_models(args, root: Path) -> dict[str, Path]:
             max_seq_len=4 * (args.prompt_words + args.new_tokens),
             attention=attention,
         )
+        if attention == "diff_v2":
+            # Parameter-matched to the baseline, to the unit: a 64-wide step of this CPU
+            # model's SwiGLU is 2% of its parameters (docs/architecture.md, the exemptions).
+            config = match_v2_params(config, multiple_of=1)
         model = DiffTransformerLM(config).eval()
         paths[attention] = save_model(
             model, root / attention, tokenizer=word_tokenizer(), overwrite=True
