@@ -39,7 +39,8 @@ def test_dry_run_lists_every_step_within_the_eight_minutes(gpu_check, quick, cap
     for letter in "abcde":
         assert f"[{letter}" in out
     steps = gpu_check.plan(quick)
-    assert [s.letter for s in steps] == sorted(s.letter for s in steps)  # most valuable first, as documented
+    # most valuable first, in the documented order
+    assert [s.letter for s in steps] == sorted(s.letter for s in steps)
     total = sum(s.budget_s for s in steps)
     assert total <= gpu_check.DEFAULT_BUDGET_S <= gpu_check.LIMIT_S == 8 * 60
     assert f"planned {total} s" in out
