@@ -30,6 +30,7 @@ Attention backend: ``attn_implementation`` chooses diffattn's run-time backend: 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -296,6 +297,11 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
         for name in GENERATE_ONLY_ARGUMENTS:
             model_kwargs.pop(name, None)
         return super().prepare_inputs_for_generation(*args, **model_kwargs)
+
+    # generate() reads this method's signature (whether it takes inputs_embeds, ...): HF's.
+    prepare_inputs_for_generation.__signature__ = inspect.signature(
+        GenerationMixin.prepare_inputs_for_generation
+    )
 
     def init_continuous_batching(self, *args: Any, **kwargs: Any):
         """HF's continuous-batching manager (``generate_batch`` and ``transformers serve`` build
