@@ -9,31 +9,6 @@ from extras import skip_reason
 from helpers import ATTENTIONS, tiny_diffattn, tiny_hf
 
 
-def pytest_addoption(parser):
-    parser.addoption(
-        "--only-extras",
-        default=None,
-        metavar="EXTRA,...",
-        help="run only the tests marked extra(...) with one of these extras (CI's second stage, "
-        "after installing them into the README's environment)",
-    )
-
-
-def pytest_collection_modifyitems(config, items):
-    """``--only-extras a,b`` keeps the tests that declare one of those extras."""
-    wanted = config.getoption("--only-extras")
-    if not wanted:
-        return
-    names = {name.strip() for name in wanted.split(",") if name.strip()}
-    keep, drop = [], []
-    for item in items:
-        declared = {n for mark in item.iter_markers("extra") for n in mark.args}
-        (keep if declared & names else drop).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
-
-
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

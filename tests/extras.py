@@ -137,7 +137,7 @@ def skip_reason(extra: str) -> str | None:
 def require_extra(*names: str) -> pytest.MarkDecorator:
     """At the top of a test module, before it imports the extras' packages:
     ``pytestmark = require_extra("hf")``. Skips the whole module unless every extra in
-    ``names`` is installed, and returns the ``extra`` marker that ``--only-extras`` selects by."""
+    ``names`` is installed, and returns the ``extra`` marker (``-m extra`` selects such tests)."""
     if not names:
         raise ValueError("require_extra() names no extra")
     for name in names:
