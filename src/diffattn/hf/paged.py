@@ -154,18 +154,6 @@ def group_by_length(requests: list[Request]) -> list[list[Request]]:
     return list(groups.values())
 
 
-def dense_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with row-major strides in every dimension, size-1 ones included (``contiguous()``
-    keeps a size-1 dimension's stride as it is, and kernels that read rows of keys check it)."""
-    strides, step = [], 1
-    for size in reversed(x.shape):
-        strides.append(step)
-        step *= size
-    if x.stride() == tuple(reversed(strides)):
-        return x
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
-
-
 class PagedRequests:
     """A group of requests with ``n`` new tokens each, seen by the model as a batch ``(R, n)``
     whose cache holds ``longest − n`` tokens: the cache interface of
@@ -220,12 +208,12 @@ class PagedRequests:
 
     def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """``(1, H, Σ k_r, d)`` → ``(R, H, longest, d)``, each request's keys at the right end,
-        contiguous (as HF's other caches return them; the fused CPU kernel requires it)."""
+        contiguous (as HF's other caches return them)."""
         r = self.gather.shape[0]
         if r == 1 and not self.padded:
-            return dense_rows(packed)
+            return packed.contiguous()
         rows = packed[0][:, self.gather.reshape(-1)]  # (H, R·longest, d)
-        return dense_rows(rows.reshape(rows.shape[0], r, self.longest, -1).transpose(0, 1))
+        return rows.reshape(rows.shape[0], r, self.longest, -1).transpose(0, 1).contiguous()
 
     def advance(self) -> None:
         """Nothing to do: the paged cache's lengths are kept by continuous batching."""

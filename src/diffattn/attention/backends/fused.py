@@ -236,19 +236,15 @@ def _keys_and_values(compiled: bool, *tensors: torch.Tensor) -> tuple[torch.Tens
     out = []
     for x in tensors:
         x = x.float()
-        if compiled and _rows_contiguous(x):
-            out.append(x)
-            continue
-        x = x.contiguous()
-        if not _rows_contiguous(x):  # a length-1 axis keeps any stride through contiguous()
-            x = x.clone(memory_format=torch.contiguous_format)
-        out.append(x)
+        out.append(x if compiled and _rows_contiguous(x) else x.contiguous())
     return tuple(out)
 
 
 def _rows_contiguous(x: torch.Tensor) -> bool:
-    """Each position's features are one contiguous row (what the compiled kernel checks)."""
-    return x.stride(3) == 1 and x.stride(2) == x.shape[3]
+    """Each position's features are one contiguous row, rows back to back (what the compiled
+    kernel checks); a length-1 position axis may carry any stride, as ``contiguous()`` leaves
+    it."""
+    return x.stride(3) == 1 and (x.shape[2] == 1 or x.stride(2) == x.shape[3])
 
 
 def _rows_of(x: torch.Tensor, n_kv: int) -> torch.Tensor:

@@ -359,11 +359,11 @@ void check_inputs(std::initializer_list<const at::Tensor*> tensors) {
 }
 
 // Keys and values may be views (a cache's interleaved maps): any batch and head strides,
-// rows of contiguous features.
+// rows of contiguous features back to back (a single row's stride is never read).
 void check_keys(std::initializer_list<const at::Tensor*> tensors) {
   for (const at::Tensor* t : tensors) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 4 &&
-                    t->stride(3) == 1 && t->stride(2) == t->size(3),
+                    t->stride(3) == 1 && (t->size(2) == 1 || t->stride(2) == t->size(3)),
                 "diff_v1_cpu: fp32 CPU keys/values with contiguous rows expected");
   }
 }
