@@ -196,6 +196,7 @@ def fresh_cudnn_state():
 
     def clear():
         sdpa._cudnn_refused.clear()
+        sdpa._cudnn_accepted.clear()
         for key in [k for k in registry._logged if k[0] == "sdpa"]:
             registry._logged.discard(key)
 
@@ -275,6 +276,43 @@ def test_a_cudnn_refusal_falls_back_to_the_padded_route_with_one_warning(
     assert len(caplog.records) == 1
     message = caplog.records[0].getMessage()
     assert "cuDNN" in message and "zero-padded" in message and "RuntimeError" in message
+
+
+def test_an_accepted_kind_of_call_runs_without_capturing_warnings_and_still_falls_back(
+    monkeypatch, fresh_cudnn_state, caplog
+):
+    """Once cuDNN ran a kind of call, later ones skip the process-wide warnings capture; a
+    later refusal of that kind still falls back, exact, with one warning."""
+    import contextlib
+    import warnings
+
+    sdpa = fresh_cudnn_state
+    refuse = []
+
+    @contextlib.contextmanager
+    def cudnn_until_told():
+        if refuse:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        yield
+
+    _pretend_cuda(monkeypatch, sdpa, context=cudnn_until_told)
+    inputs = _diff_v1_inputs(1, 2, 2, 7, 7, 8)
+    _assert_diff_v1_matches_reference(sdpa.sdpa_diff_v1, inputs, AttentionMask())
+    assert len(sdpa._cudnn_accepted) == 1
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("warnings captured on the hot path")
+
+    with monkeypatch.context() as m:
+        m.setattr(warnings, "catch_warnings", no_capture)
+        _assert_diff_v1_matches_reference(sdpa.sdpa_diff_v1, inputs, AttentionMask())
+
+    refuse.append(True)
+    with caplog.at_level("WARNING", logger="diffattn.kernels"):
+        for _ in range(2):
+            _assert_diff_v1_matches_reference(sdpa.sdpa_diff_v1, inputs, AttentionMask())
+    assert not sdpa._cudnn_accepted and len(sdpa._cudnn_refused) == 1
+    assert len(caplog.records) == 1 and "zero-padded" in caplog.records[0].getMessage()
 
 
 def test_missing_cudnn_falls_back_with_one_warning_without_trying(

@@ -190,6 +190,9 @@ def only_cudnn():
 
 _cudnn_refused: dict[tuple, str] = {}
 """Kinds of DIFF V1 call cuDNN refused at run time, with the reason: not tried again."""
+_cudnn_accepted: set[tuple] = set()
+"""Kinds of DIFF V1 call cuDNN ran: later ones run without capturing warnings (the capture,
+``warnings.catch_warnings``, is process-wide and costs every call)."""
 
 
 def _call_kind(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, mask: AttentionMask):
@@ -218,6 +221,14 @@ def _on_cudnn(q1, q2, k1, k2, v, lam, mask: AttentionMask, scale: float) -> torc
     """:func:`native_width_diff_v1` on cuDNN, or ``None`` (one warning per kind of call)
     where cuDNN is missing or refuses the call; other errors propagate."""
     kind = _call_kind(q1, k1, v, mask)
+    if kind in _cudnn_accepted:  # the hot path: no process-wide warnings capture
+        try:
+            with only_cudnn():
+                return native_width_diff_v1(q1, q2, k1, k2, v, lam, mask, scale)
+        except RuntimeError as error:
+            if gpu_refusal(error) is None:
+                raise
+            _cudnn_accepted.discard(kind)  # asked again below, its reasons captured
     if kind in _cudnn_refused:
         return None
     reason = cudnn_unavailable(q1)
@@ -234,6 +245,7 @@ def _on_cudnn(q1, q2, k1, k2, v, lam, mask: AttentionMask, scale: float) -> torc
         else:
             for w in caught:  # nothing expected on success; never swallowed
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            _cudnn_accepted.add(kind)
             return out
     _cudnn_refused[kind] = reason
     log_once(
