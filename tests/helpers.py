@@ -4,6 +4,7 @@ heads, built from a fixed seed in eval mode."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import torch
@@ -97,3 +98,10 @@ class LargestTensor(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` (loopback) now, for a server or a rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

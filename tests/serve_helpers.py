@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from helpers import free_port
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 HOST = "127.0.0.1"
 WORDS = 126
@@ -70,12 +72,6 @@ def save_tiny_model(kind: str, directory: Path, max_seq_len: int = 96, seed: int
     return save_model(model, directory, tokenizer=tokenizer)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 def port_is_free(port: int) -> bool:
     """Whether a new server could listen on ``port`` now (as uvicorn binds: with
     ``SO_REUSEADDR``, so closed connections in TIME_WAIT do not count)."""
@@ -92,7 +88,7 @@ class ServerProcess:
     """``python -m diffattn serve MODEL --host 127.0.0.1 --port P ...`` as a subprocess."""
 
     def __init__(self, model: Path | str, *options: str, log: Path) -> None:
-        self.port = free_port()
+        self.port = free_port(HOST)
         self.url = f"http://{HOST}:{self.port}"
         self.log = log
         env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

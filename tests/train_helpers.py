@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from helpers import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,12 +61,6 @@ def tiny_recipe(cache_dir: str | os.PathLike, **changes: Any) -> dict[str, Any]:
 def write_recipe(path: Path, recipe: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
     return path
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def subprocess_env() -> dict[str, str]:
