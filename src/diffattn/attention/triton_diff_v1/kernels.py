@@ -166,6 +166,41 @@ def _query_offset(offset, offset_ptr, OFFSET_IN_MEMORY: tl.constexpr):
 
 
 @triton.jit
+def _query_block(
+    q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, lam_ptr, offset_ptr, sqb, sqh, sqn, skb, skh,
+    svb, svh, scale, n_q, offset,
+    H: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, OFFSET_IN_MEMORY: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    # What the forward and the dQ kernel start from, one program per (query block, query
+    # head): the block and head, the head's K1/K2/V bases, the query offset, λ, the base-2
+    # score scale, the row and column offsets and the block's Q1, Q2 tiles. Inputs may be
+    # strided views (rows and heads apart); outputs are contiguous.
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    q1_ptr += b * sqb + h * sqh
+    q2_ptr += b * sqb + h * sqh
+    k1_ptr += b * skb + (h // REP) * skh
+    k2_ptr += b * skb + (h // REP) * skh
+    v_ptr += b * svb + (h // REP) * svh
+    offset = _query_offset(offset, offset_ptr, OFFSET_IN_MEMORY)
+    lam = tl.load(lam_ptr).to(tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_v = tl.arange(0, BLOCK_DV)
+    q1 = _tile(q1_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
+    q2 = _tile(q2_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
+    return (
+        pid_m, pid_bh, b, h, k1_ptr, k2_ptr, v_ptr, offset, lam, qk_scale, offs_m, offs_d,
+        offs_v, q1, q2,
+    )  # fmt: skip
+
+
+@triton.jit
 def _fwd_step(
     start_n, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, kp,
     offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
@@ -247,24 +282,14 @@ def _diff_v1_fwd(
     OFFSET_IN_MEMORY: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
     LOOP_AS_WHILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    # inputs may be strided views (rows and heads apart); outputs are contiguous
-    q1_ptr += b * sqb + h * sqh
-    q2_ptr += b * sqb + h * sqh
-    k1_ptr += b * skb + (h // REP) * skh
-    k2_ptr += b * skb + (h // REP) * skh
-    v_ptr += b * svb + (h // REP) * svh
-    offset = _query_offset(offset, offset_ptr, OFFSET_IN_MEMORY)
-    lam = tl.load(lam_ptr).to(tl.float32)
-    qk_scale = scale * 1.4426950408889634
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_v = tl.arange(0, BLOCK_DV)
-    q1 = _tile(q1_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
-    q2 = _tile(q2_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
+    (
+        pid_m, pid_bh, b, _h, k1_ptr, k2_ptr, v_ptr, offset, lam, qk_scale, offs_m, offs_d,
+        offs_v, q1, q2,
+    ) = _query_block(
+        q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, lam_ptr, offset_ptr, sqb, sqh, sqn, skb, skh,
+        svb, svh, scale, n_q, offset,
+        H, REP, D, BLOCK_D, BLOCK_DV, OFFSET_IN_MEMORY, DOT, BLOCK_M,
+    )  # fmt: skip
     m1 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     m2 = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l1 = tl.zeros([BLOCK_M], tl.float32)
@@ -500,24 +525,14 @@ def _diff_v1_bwd_q(
     OFFSET_IN_MEMORY: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
     LOOP_AS_WHILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    # inputs may be strided views (rows and heads apart); outputs are contiguous
-    q1_ptr += b * sqb + h * sqh
-    q2_ptr += b * sqb + h * sqh
-    k1_ptr += b * skb + (h // REP) * skh
-    k2_ptr += b * skb + (h // REP) * skh
-    v_ptr += b * svb + (h // REP) * svh
-    offset = _query_offset(offset, offset_ptr, OFFSET_IN_MEMORY)
-    lam = tl.load(lam_ptr).to(tl.float32)
-    qk_scale = scale * 1.4426950408889634
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_v = tl.arange(0, BLOCK_DV)
-    q1 = _tile(q1_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
-    q2 = _tile(q2_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
+    (
+        pid_m, pid_bh, b, h, k1_ptr, k2_ptr, v_ptr, offset, lam, qk_scale, offs_m, offs_d,
+        offs_v, q1, q2,
+    ) = _query_block(
+        q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, lam_ptr, offset_ptr, sqb, sqh, sqn, skb, skh,
+        svb, svh, scale, n_q, offset,
+        H, REP, D, BLOCK_D, BLOCK_DV, OFFSET_IN_MEMORY, DOT, BLOCK_M,
+    )  # fmt: skip
     do = _tile(do_ptr + b * sob + h * soh, offs_m, n_q, son, offs_v, DV, DOT)
     dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
