@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "diffattn.loading": 1,
     "diffattn.recipes": 1,
     "diffattn.serve": 1,
+    "diffattn.vllm_plugin": 1,
     # experiments
     "diffattn.compare": 2,
     "diffattn.bench": 2,

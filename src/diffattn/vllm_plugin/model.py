@@ -301,3 +301,18 @@ class DiffAttnForCausalLM(nn.Module):
             raise ValueError(f"the checkpoint lacks tensors for: {', '.join(missing)}")
         return loaded
 
+
+
+def kv_cache_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the paged KV cache vLLM allocated to each attention layer of ``model``.
+
+    For ``LLM.apply_model`` (which runs it where the model lives); divided by the cache's
+    capacity in tokens (``num_gpu_blocks · block_size`` of vLLM's cache config) it is the
+    measured cache cost per token that docs/serving.md states."""
+    sizes = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Attention):
+            cache = module.kv_cache
+            tensors = cache if isinstance(cache, list | tuple) else [cache]
+            sizes[name] = tensors[0].numel() * tensors[0].element_size()
+    return sizes

