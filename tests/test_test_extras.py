@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from extras import MODULE_EXTRAS, PACKAGE_EXTRAS, declared_extras, missing, skip_reason
+from extras import (
+    MODULE_EXTRAS,
+    PACKAGE_EXTRAS,
+    VLLM_BRINGS,
+    declared_extras,
+    missing,
+    skip_reason,
+)
 
 TESTS = Path(__file__).resolve().parent
 HELPER_MODULES = {p.stem for p in TESTS.glob("*.py")} | {"oracle"}
@@ -101,9 +108,12 @@ def undeclared(path: Path) -> list[str]:
     """What ``path`` imports from an extra without declaring it, one line each."""
     tree = ast.parse(path.read_text())
     marked, skipped_before = _module_level_declared(tree)
+    needs_vllm = _requires_vllm(tree)
     problems, reported = [], set()
     for module, line, chain, is_importorskip in _imports(tree):
         root = module.split(".")[0]
+        if needs_vllm and root in VLLM_BRINGS:
+            continue  # a module that runs only beside vLLM has what vLLM depends on
         if root in HELPER_MODULES and root != path.stem:
             extras = _top_level_extras(TESTS / f"{root}.py", set())
         else:
@@ -138,6 +148,18 @@ def undeclared(path: Path) -> list[str]:
                     f"require_extra({extra!r}))"
                 )
     return problems
+
+
+def _requires_vllm(tree: ast.Module) -> bool:
+    """Whether the module's ``pytestmark`` holds ``require_vllm()``."""
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "pytestmark" for t in stmt.targets
+        ):
+            for call in ast.walk(stmt.value):
+                if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "require_vllm":
+                    return True
+    return False
 
 
 def _require_calls(node: ast.AST) -> set[str]:

@@ -60,8 +60,13 @@ def served(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     model, _ = save_checkpoint(directory, attention, **overrides)
     llm = LLM(
-        model=str(directory), dtype="float32", enforce_eager=True, max_model_len=512,
-        block_size=BLOCK, seed=0, **settings,
+        model=str(directory),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        block_size=BLOCK,
+        seed=0,
+        **settings,
     )
     yield request.param, model, llm, settings
     llm.llm_engine.engine_core.shutdown()
@@ -157,8 +162,14 @@ def test_a_dex_merged_llama_serves_as_the_dex_model_decodes(tmp_path):
     merged.save_pretrained(tmp_path)
     word_tokenizer().save_pretrained(tmp_path)
     prompts = [prompt_ids(seed, n, VOCAB) for seed, n in enumerate(LENGTHS)]
-    llm = LLM(model=str(tmp_path), dtype="float32", enforce_eager=True, max_model_len=512,
-              block_size=BLOCK, seed=0)
+    llm = LLM(
+        model=str(tmp_path),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        block_size=BLOCK,
+        seed=0,
+    )
     try:
         outputs = vllm_greedy(llm, prompts)
     finally:

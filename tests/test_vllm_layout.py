@@ -55,19 +55,33 @@ def through_layout(attn, x, rope):
     if config.attention == "diff_v1":
         q, k, v = project_qkv(attn, x, rope, None, 2 * d)
         out = stock_attention(
-            v1_padded_queries(token_major(q), d), token_major(k), token_major(v),
-            layout.num_heads, layout.num_kv_heads, layout.head_size, layout.scale,
+            v1_padded_queries(token_major(q), d),
+            token_major(k),
+            token_major(v),
+            layout.num_heads,
+            layout.num_kv_heads,
+            layout.head_size,
+            layout.scale,
         )
         norm = attn.head_norm
         out = v1_combine(
-            out, attn.lambda_full(), d, None if norm is None else norm.weight,
-            None if norm is None else norm.eps, attn.lambda_init,
+            out,
+            attn.lambda_full(),
+            d,
+            None if norm is None else norm.weight,
+            None if norm is None else norm.eps,
+            attn.lambda_init,
         )
     else:
         q, k, v = project_qkv(attn, x, rope, None, d)
         out = stock_attention(
-            token_major(q), token_major(k), token_major(v),
-            layout.num_heads, layout.num_kv_heads, layout.head_size, layout.scale,
+            token_major(q),
+            token_major(k),
+            token_major(v),
+            layout.num_heads,
+            layout.num_kv_heads,
+            layout.head_size,
+            layout.scale,
         )
         if config.attention == "diff_v2":
             out = v2_combine(out, v2_lambda(attn, x), d, config.v2_paired_heads)

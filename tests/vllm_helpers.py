@@ -50,7 +50,10 @@ def greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     from diffattn.generation import generate
 
     out = generate(
-        model, torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+        model,
+        torch.tensor([prompt]),
+        max_new_tokens=new_tokens,
+        do_sample=False,
         eos_token_id=None,
     )
     return out.sequences[0, len(prompt) :].tolist()

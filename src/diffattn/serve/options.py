@@ -181,8 +181,10 @@ def parse_options(
             if given[key]:
                 raise ValueError(f"{flag} does not apply with --engine vllm: {reason}")
         if any(value is not None for value in (cb_sizes or {}).values()):
-            raise ValueError("--cb-* sizes do not apply with --engine vllm: pass vLLM's own "
-                             "(--block-size, --max-num-batched-tokens) in --vllm-args")
+            raise ValueError(
+                "--cb-* sizes do not apply with --engine vllm: pass vLLM's own "
+                "(--block-size, --max-num-batched-tokens) in --vllm-args"
+            )
         if device != "auto":
             raise ValueError(
                 "--device does not apply with --engine vllm: the installed vLLM build picks it "

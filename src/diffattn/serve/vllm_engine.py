@@ -31,9 +31,9 @@ def require_vllm() -> None:
         raise ValueError(f"--engine vllm needs vLLM, which is not installed: {VLLM_INSTALL_HINT}")
 
 
-def check_servable(options: ServeOptions) -> Path:
-    """The model directory to hand to vLLM; a model the installed vLLM cannot serve is one
-    ``ValueError`` saying why."""
+def check_servable(options: ServeOptions) -> tuple[Path, str]:
+    """The model directory to hand to vLLM and its kind (``diffattn`` or ``hf``); a model the
+    installed vLLM cannot serve is one ``ValueError`` saying why."""
     from diffattn.fileio import CheckpointError
     from diffattn.loading import has_tokenizer, resolve_source
 
@@ -47,8 +47,10 @@ def check_servable(options: ServeOptions) -> Path:
             if source.kind == "gguf"
             else "merge it first: diffattn dex merge, then serve the merged directory"
         )
-        raise ValueError(f"--engine vllm serves model directories; {options.model} is a "
-                         f"{source.kind} source: {how}")
+        raise ValueError(
+            f"--engine vllm serves model directories; {options.model} is a "
+            f"{source.kind} source: {how}"
+        )
     directory = source.path
     if not has_tokenizer(directory):
         raise ValueError(
@@ -58,18 +60,20 @@ def check_servable(options: ServeOptions) -> Path:
         from diffattn.checkpoint import read_config
         from diffattn.vllm_plugin import unservable_reason
 
-        reason = unservable_reason(read_config(directory), options.dtype)
+        dtype = vllm_dtype(options, directory, source.kind)
+        reason = unservable_reason(read_config(directory), dtype)
         if reason is not None:
             raise ValueError(reason)
-        return directory
+        return directory, source.kind
     if source.model_type == "diffllama":
         raise ValueError(
             "vLLM cannot run Hugging Face's DiffLlama (its attention does not go through an "
             "interface vLLM can replace); convert it to a diffattn DIFF V1 directory, which "
             "diffattn's vLLM plugin serves: diffattn convert MODEL OUT"
         )
-    from diffattn.fileio import read_json
     from vllm import ModelRegistry
+
+    from diffattn.fileio import read_json
 
     architectures = read_json(Path(directory) / "config.json").get("architectures") or []
     supported = set(ModelRegistry.get_supported_archs())
@@ -78,11 +82,40 @@ def check_servable(options: ServeOptions) -> Path:
             f"vLLM has no model class for {', '.join(architectures) or 'this model'} "
             f"(model_type {source.model_type!r})"
         )
-    return directory
+    return directory, source.kind
 
 
-def vllm_argv(options: ServeOptions, directory: Path | str) -> list[str]:
-    """The command line of vLLM's OpenAI server for ``options``, serving ``directory``."""
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def stored_dtype(directory: Path) -> str:
+    """The floating dtype a diffattn directory's weights are stored in (``float32`` when none
+    is found)."""
+    from safetensors import safe_open
+
+    from diffattn.checkpoint import weight_files
+
+    for file in weight_files(directory):
+        with safe_open(str(file), framework="pt") as weights:
+            for name in weights.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                dtype = SAFETENSORS_DTYPES.get(weights.get_slice(name).get_dtype())
+                if dtype is not None:
+                    return dtype
+    return "float32"
+
+
+def vllm_dtype(options: ServeOptions, directory: Path, kind: str) -> str:
+    """``--dtype`` for vLLM. ``auto`` keeps diffattn serve's meaning (a diffattn directory's
+    stored dtype, float32 for the other kinds) rather than vLLM's own ``auto``, which on a CPU
+    runs float32 checkpoints in bfloat16."""
+    if options.dtype != "auto":
+        return options.dtype
+    return stored_dtype(directory) if kind == "diffattn" else "float32"
+
+
+def vllm_argv(options: ServeOptions, directory: Path | str, dtype: str) -> list[str]:
+    """The command line of vLLM's OpenAI server for ``options``, serving ``directory`` in
+    ``dtype``."""
     argv = [
         sys.executable,
         "-m",
@@ -96,7 +129,7 @@ def vllm_argv(options: ServeOptions, directory: Path | str) -> list[str]:
         "--port",
         str(options.port),
         "--dtype",
-        options.dtype,
+        dtype,
         "--uvicorn-log-level",
         options.log_level,
     ]
@@ -112,7 +145,7 @@ def serve_with_vllm(options: ServeOptions) -> int:
     if quiet:
         os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
     try:
-        directory = check_servable(options)
+        directory, kind = check_servable(options)
     finally:
         if quiet:
             del os.environ["VLLM_LOGGING_LEVEL"]
@@ -122,7 +155,7 @@ def serve_with_vllm(options: ServeOptions) -> int:
             "with no authentication",
             file=sys.stderr,
         )
-    argv = vllm_argv(options, directory)
+    argv = vllm_argv(options, directory, vllm_dtype(options, directory, kind))
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], argv)

@@ -158,7 +158,11 @@ class DiffAttnAttention(nn.Module):
         if self.kind == "diff_v1":
             out = self.attn(v1_padded_queries(q, d), k, v)
             out = v1_combine(
-                out, self.lambda_full(), d, self.head_norm_weight, self.head_norm_eps,
+                out,
+                self.lambda_full(),
+                d,
+                self.head_norm_weight,
+                self.head_norm_eps,
                 self.lambda_init,
             )
         elif self.kind == "diff_v2":
@@ -185,11 +189,17 @@ class DiffAttnDecoderLayer(nn.Module):
         self.attn = DiffAttnAttention(config, layer_index, vllm_config, f"{prefix}.attn")
         self.ffn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.d_model, [config.ffn_dim] * 2, bias=False, quant_config=quant,
+            config.d_model,
+            [config.ffn_dim] * 2,
+            bias=False,
+            quant_config=quant,
             prefix=f"{prefix}.ffn.gate_up_proj",
         )
         self.down_proj = RowParallelLinear(
-            config.ffn_dim, config.d_model, bias=False, quant_config=quant,
+            config.ffn_dim,
+            config.d_model,
+            bias=False,
+            quant_config=quant,
             prefix=f"{prefix}.ffn.down_proj",
         )
         self.act = SiluAndMul()
@@ -300,7 +310,6 @@ class DiffAttnForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"the checkpoint lacks tensors for: {', '.join(missing)}")
         return loaded
-
 
 
 def kv_cache_bytes(model: nn.Module) -> dict[str, int]:
