@@ -10,7 +10,15 @@ the generated tokens per second of all clients together, the median time to firs
 each DIFF type's throughput as a ratio to the baseline's in the same round (median over
 rounds).
 
+With ``--vllm-python PYTHON`` (the interpreter of a venv where vLLM is installed beside
+diffattn), the same three checkpoints are also served by ``diffattn serve --engine vllm`` (vLLM's
+defaults: torch.compile on, prefix caching and chunked prefill on; 1 GiB of KV cache each) and
+measured in the same interleaved rounds; ``--no-plain`` leaves out the transformers servers
+without continuous batching.
+
     PYTHONPATH=src python scripts/bench_serve.py --rounds 2
+    PYTHONPATH=src python scripts/bench_serve.py --rounds 3 --no-plain \\
+        --vllm-python /path/to/vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -41,7 +49,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=8, help="default: 8")
     parser.add_argument("--out", default=None, help="where the models go (default: a temp dir)")
     parser.add_argument("--no-cb", action="store_true", help="continuous batching off only")
+    parser.add_argument(
+        "--no-plain", action="store_true", help="leave out transformers serve without batching"
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="also serve with --engine vllm, run by this interpreter (a venv with vLLM)",
+    )
     args = parser.parse_args(argv)
+    if args.no_cb and args.no_plain and not args.vllm_python:
+        parser.error("--no-cb with --no-plain leaves nothing to measure")
     args.client_counts = [int(c) for c in args.clients.split(",")]
     return args
 
@@ -78,13 +96,20 @@ def save_models(args, root: Path) -> dict[str, Path]:
     return paths
 
 
-def one_client(client, name: str, prompt: str, new_tokens: int) -> tuple[float, int]:
+def one_client(client, name: str, prompt: str, new_tokens: int, vllm: bool) -> tuple[float, int]:
     """``(seconds to the first text, completion tokens)`` of one streaming request."""
     start = time.perf_counter()
     first = None
     tokens = 0
+    # vLLM streams usage when asked, and stops at the tokenizer's EOS unless told not to
+    extra = {"stream_options": {"include_usage": True}, "extra_body": {"ignore_eos": True}}
     stream = client.completions.create(
-        model=name, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True
+        model=name,
+        prompt=prompt,
+        max_tokens=new_tokens,
+        temperature=0,
+        stream=True,
+        **(extra if vllm else {}),
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text and first is None:
@@ -94,7 +119,9 @@ def one_client(client, name: str, prompt: str, new_tokens: int) -> tuple[float, 
     return first, tokens
 
 
-def measure(server, name: str, clients: int, args, round_index: int) -> tuple[float, float]:
+def measure(
+    server, name: str, clients: int, args, round_index: int, vllm: bool
+) -> tuple[float, float]:
     """``(tokens per second of all clients together, median time to first token)``."""
     from serve_helpers import prompt_text, run_concurrently
 
@@ -105,6 +132,7 @@ def measure(server, name: str, clients: int, args, round_index: int) -> tuple[fl
             name,
             prompt_text(1000 * round_index + i, args.prompt_words),
             args.new_tokens,
+            vllm,
         )
         for i in range(clients)
     ]
@@ -114,6 +142,9 @@ def measure(server, name: str, clients: int, args, round_index: int) -> tuple[fl
     failed = [r for r in results if isinstance(r, Exception)]
     if failed:
         raise RuntimeError(f"{name}: {len(failed)} of {clients} clients failed: {failed[0]!r}")
+    short = [t for _, t in results if t != args.new_tokens]
+    if short:
+        raise RuntimeError(f"{name}: a client got {short[0]} tokens, not {args.new_tokens}")
     return sum(t for _, t in results) / wall, statistics.median(f for f, _ in results)
 
 
@@ -126,16 +157,31 @@ def main(argv=None) -> int:
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_serve_"))
     root.mkdir(parents=True, exist_ok=True)
     paths = save_models(args, root)
-    modes = [False] if args.no_cb else [False, True]
+    modes = ([] if args.no_plain else ["off"]) + ([] if args.no_cb else ["continuous"])
+    modes += ["vllm"] if args.vllm_python else []
     servers = {}
     try:
-        for cb in modes:
+        for mode in modes:
             for attention in TYPES:
-                options = ["--continuous-batching", "--cb-num-blocks", "256"] if cb else []
-                log = root / f"{attention}{'_cb' if cb else ''}.log"
-                server = ServerProcess(paths[attention], *options, log=log)
+                log = root / f"{attention}_{mode}.log"
+                if mode == "vllm":
+                    server = ServerProcess(
+                        paths[attention],
+                        "--engine",
+                        "vllm",
+                        log=log,
+                        device=None,
+                        python=args.vllm_python,
+                        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+                        start_seconds=900,
+                    )
+                else:
+                    options = ["--continuous-batching", "--cb-num-blocks", "256"]
+                    server = ServerProcess(
+                        paths[attention], *(options if mode == "continuous" else []), log=log
+                    )
                 server.warm_up(str(paths[attention]))
-                servers[(cb, attention)] = server
+                servers[(mode, attention)] = server
         keys = list(servers)
         rows: dict[tuple, list] = {(k, c): [] for k in keys for c in args.client_counts}
         for round_index in range(args.rounds):
@@ -144,7 +190,7 @@ def main(argv=None) -> int:
                 for key in keys[shift:] + keys[:shift]:
                     name = str(paths[key[1]])
                     rows[(key, clients)].append(
-                        measure(servers[key], name, clients, args, round_index)
+                        measure(servers[key], name, clients, args, round_index, key[0] == "vllm")
                     )
     finally:
         for server in servers.values():
@@ -158,19 +204,20 @@ def main(argv=None) -> int:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
     print()
-    print("| batching | clients | type | tokens/s | TTFT median (s) | tokens/s vs baseline |")
+    print("| server | clients | type | tokens/s | TTFT median (s) | tokens/s vs baseline |")
     print("|---|---|---|---|---|---|")
-    for cb in modes:
+    labels = {"off": "transformers", "continuous": "transformers, continuous", "vllm": "vLLM"}
+    for mode in modes:
         for clients in args.client_counts:
-            base = rows[((cb, "baseline"), clients)]
+            base = rows[((mode, "baseline"), clients)]
             for attention in TYPES:
-                runs = rows[((cb, attention), clients)]
+                runs = rows[((mode, attention), clients)]
                 speed = statistics.median(r[0] for r in runs)
                 ttft = statistics.median(r[1] for r in runs)
                 ratio = statistics.median(r[0] / b[0] for r, b in zip(runs, base, strict=True))
-                mode = "continuous" if cb else "off"
                 print(
-                    f"| {mode} | {clients} | {attention} | {speed:.1f} | {ttft:.3f} | {ratio:.2f} |"
+                    f"| {labels[mode]} | {clients} | {attention} | {speed:.1f} | {ttft:.3f} | "
+                    f"{ratio:.2f} |"
                 )
     return 0
 

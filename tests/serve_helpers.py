@@ -87,13 +87,30 @@ def port_is_free(port: int) -> bool:
 class ServerProcess:
     """``python -m diffattn serve MODEL --host 127.0.0.1 --port P ...`` as a subprocess."""
 
-    def __init__(self, model: Path | str, *options: str, log: Path) -> None:
+    def __init__(
+        self,
+        model: Path | str,
+        *options: str,
+        log: Path,
+        python: str = sys.executable,
+        device: str | None = "cpu",
+        env: dict[str, str] | None = None,
+        start_seconds: float = START_SECONDS,
+    ) -> None:
+        """``python``: the interpreter that runs diffattn (another venv's, for vLLM);
+        ``device``: ``--device`` (``None``: not given, as ``--engine vllm`` wants); ``env``:
+        more environment variables."""
         self.port = free_port(HOST)
         self.url = f"http://{HOST}:{self.port}"
         self.log = log
-        env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        argv = [sys.executable, "-m", "diffattn", "serve", str(model), "--host", HOST]
-        argv += ["--port", str(self.port), "--device", "cpu", *options]
+        self.start_seconds = start_seconds
+        env = {
+            **os.environ,
+            **(env or {}),
+            "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        }
+        argv = [python, "-m", "diffattn", "serve", str(model), "--host", HOST]
+        argv += ["--port", str(self.port), *(["--device", device] if device else []), *options]
         self._log_file = open(log, "wb")  # noqa: SIM115 (closed in stop())
         self.process = subprocess.Popen(
             argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=env
@@ -104,7 +121,7 @@ class ServerProcess:
         return self.log.read_text(errors="replace")
 
     def _wait_until_healthy(self) -> None:
-        deadline = time.monotonic() + START_SECONDS
+        deadline = time.monotonic() + self.start_seconds
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(
@@ -117,7 +134,7 @@ class ServerProcess:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError(f"server not healthy within {START_SECONDS} s:\n{self.output()}")
+        raise RuntimeError(f"server not healthy within {self.start_seconds} s:\n{self.output()}")
 
     def request(self, method: str, path: str, body: bytes | dict | None = None, timeout=60):
         """``(status, parsed JSON body)`` of one plain HTTP request."""
