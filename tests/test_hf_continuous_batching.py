@@ -163,7 +163,10 @@ def test_continuous_batching_arguments_are_checked_by_name():
     with pytest.raises(TypeError, match="cu_seq_lens_typo"):
         hf(ids, cu_seq_lens_typo=lengths)
     with pytest.raises(ValueError, match="needs the PagedAttentionCache"):
-        hf(ids, cu_seq_lens_q=lengths, cu_seq_lens_k=lengths)
+        hf(ids, cu_seq_lens_q=lengths, cu_seq_lens_k=lengths, read_index=[lengths])
+    # without the paged arguments, cu_seq_lens are HF's padding-free format (one document here)
+    one = hf(ids, cu_seq_lens_q=lengths, cu_seq_lens_k=lengths, use_cache=False).logits
+    torch.testing.assert_close(one, hf(ids, use_cache=False).logits, rtol=0, atol=0)
     with pytest.raises(ValueError, match="read_index, write_index: continuous-batching"):
         hf(ids, read_index=[lengths], write_index=[lengths])
 

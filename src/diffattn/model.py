@@ -64,6 +64,8 @@ class CausalLMOutput:
         hidden_states: ``n_layers + 1`` tensors ``(B, N, d_model)``: the embeddings, the
             outputs of blocks 1…L−1, and the final normed state (Hugging Face convention).
         past_key_values: the KV cache after this call (with ``use_cache`` or a cache given).
+        documents: the ``(B, N)`` documents of a packed row, as given (``document_ids``) or
+            read from restarting ``position_ids``; ``None`` for one document per row.
     """
 
     logits: torch.Tensor
@@ -72,6 +74,7 @@ class CausalLMOutput:
     attention_maps: tuple[AttentionMaps, ...] | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     past_key_values: DynamicCache | StaticCache | None = None
+    documents: torch.Tensor | None = None
 
 
 class DecoderBlock(nn.Module):
@@ -121,6 +124,48 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     sequence, which makes padded and unpadded outputs identical.
     """
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The documents of rows packed as Hugging Face's padding-free format lays them out: a new
+    document begins wherever the position does not grow (``position_ids[t] <= [t − 1]``, the
+    restart to 0 of ``DataCollatorWithFlattening``). ``(B, N)`` document index per token, or
+    ``None`` when every row is one run of growing positions."""
+    restarts = position_ids[:, 1:] <= position_ids[:, :-1]
+    if not bool(restarts.any()):
+        return None
+    return F.pad(restarts.long().cumsum(-1), (1, 0))
+
+
+def positions_in_documents(document_ids: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """RoPE positions that restart at 0 with each document (counting real tokens only when
+    ``real``, the 2-D padding mask, is given), ``(B, N)``."""
+    n = document_ids.shape[1]
+    index = torch.arange(n, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    counted = real.long() if real is not None else torch.ones_like(index)
+    total = counted.cumsum(-1)
+    before = total.gather(1, first) - counted.gather(1, first)
+    return (total - before - 1).clamp_min(0)
+
+
+def document_lengths(document_ids: torch.Tensor) -> torch.Tensor:
+    """The number of tokens of the longest document in each row, ``(B,)``."""
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    run = starts.long().cumsum(-1)  # runs of one document id, numbered per row
+    counts = torch.zeros(run.shape[0], run.shape[1] + 1, dtype=torch.long, device=run.device)
+    counts.scatter_add_(1, run, torch.ones_like(run))
+    return counts.max(dim=-1).values
+
+
+def labels_within_documents(labels: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """``labels`` with the target of each document's last token ignored: the next token is
+    another document's first, which a packed row must not learn to predict."""
+    crossing = F.pad(document_ids[:, 1:] != document_ids[:, :-1], (1, 0), value=False)
+    return labels.masked_fill(crossing, IGNORE_INDEX)
 
 
 class DiffTransformerLM(nn.Module):
@@ -287,6 +332,43 @@ class DiffTransformerLM(nn.Module):
             padding = F.pad(padding, (0, cache.max_len - past - n), value=True)
         return AttentionMask(key_padding=padding, query_offset=past), positions
 
+    def _documents(self, document_ids, position_ids, attention_mask, cache_position, past, bsz, n):
+        """The packed documents of this call, ``(B, N)`` or ``None`` (see ``forward``)."""
+        if document_ids is None:
+            if (
+                position_ids is None
+                or attention_mask is not None
+                or past
+                or cache_position is not None
+            ):
+                return None
+            document_ids = documents_from_positions(position_ids.expand(bsz, n))
+            if document_ids is None:
+                return None
+        elif document_ids.shape != (bsz, n) or document_ids.dtype.is_floating_point:
+            raise ValueError(
+                f"document_ids must be an integer tensor of shape ({bsz}, {n}), got "
+                f"{document_ids.dtype} {tuple(document_ids.shape)}"
+            )
+        if past or cache_position is not None:
+            raise ValueError(
+                "documents packed in a row (document_ids, or position_ids that restart) cannot "
+                "follow cached tokens or use cache_position: start from an empty cache"
+            )
+        if attention_mask is not None and attention_mask.dim() == 4:
+            raise ValueError(
+                "document_ids and a 4-D attention_mask both say who attends to whom; give one"
+            )
+        if bool((document_ids == document_ids[:, :1]).all()):
+            return None  # one document per row: today's causal path, exactly
+        longest = int(document_lengths(document_ids).max())
+        if longest > self.config.max_seq_len:
+            raise ValueError(
+                f"a packed document of {longest} tokens exceeds max_seq_len="
+                f"{self.config.max_seq_len} of this model"
+            )
+        return document_ids
+
     @staticmethod
     def _full_mask(attention_mask, cache, past, bsz, n) -> AttentionMask:
         """A 4-D mask (boolean or additive) as an :class:`AttentionMask`."""
@@ -321,6 +403,7 @@ class DiffTransformerLM(nn.Module):
         cache_position: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """Run the model.
 
@@ -349,7 +432,16 @@ class DiffTransformerLM(nn.Module):
                 from the device.
             inputs_embeds: ``(B, N, d_model)`` instead of ``input_ids`` (soft prompts).
             position_ids: optional ``(B or 1, N)`` RoPE positions; by default they count the
-                real tokens (2-D masks) or run on from the cache length.
+                real tokens (2-D masks) or run on from the cache length. Without a mask or
+                cached tokens, positions that restart inside a row (Hugging Face's padding-free
+                format: ``DataCollatorWithFlattening``) mark packed documents, as
+                ``document_ids`` would.
+            document_ids: optional ``(B, N)`` integers: documents packed in a row, a run of
+                equal ids per document. Each token attends only to its own document, RoPE
+                positions restart at 0 with each (unless ``position_ids`` are given), no loss
+                target crosses a boundary, and ``max_seq_len`` bounds each document, not the
+                row: every document gets the outputs it gets alone. Not with a KV cache holding
+                tokens, ``cache_position`` or a 4-D mask.
         """
         x = self._embed(input_ids, inputs_embeds)
         bsz, n = x.shape[:2]
@@ -357,7 +449,19 @@ class DiffTransformerLM(nn.Module):
         if cache is None and use_cache:
             cache = DynamicCache()
         past = 0 if cache is None or cache_position is not None else cache.get_seq_length()
-        if past + n > self.config.max_seq_len:
+        if position_ids is not None and (
+            position_ids.dim() != 2
+            or position_ids.shape[1] != n
+            or position_ids.shape[0] not in (1, bsz)
+        ):
+            raise ValueError(
+                f"position_ids must have shape ({bsz}, {n}) or (1, {n}), "
+                f"got {tuple(position_ids.shape)}"
+            )
+        document_ids = self._documents(
+            document_ids, position_ids, attention_mask, cache_position, past, bsz, n
+        )
+        if document_ids is None and past + n > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {past + n} exceeds max_seq_len="
                 f"{self.config.max_seq_len} of this model"
@@ -365,16 +469,12 @@ class DiffTransformerLM(nn.Module):
         mask, positions = self._mask_and_positions(
             attention_mask, cache, cache_position, past, bsz, n, x.device
         )
+        if document_ids is not None:
+            document_ids = document_ids.to(x.device)
+            mask.document_ids = document_ids
+            real = attention_mask.bool() if attention_mask is not None else None
+            positions = positions_in_documents(document_ids, real)
         if position_ids is not None:
-            if (
-                position_ids.dim() != 2
-                or position_ids.shape[1] != n
-                or position_ids.shape[0] not in (1, bsz)
-            ):
-                raise ValueError(
-                    f"position_ids must have shape ({bsz}, {n}) or (1, {n}), "
-                    f"got {tuple(position_ids.shape)}"
-                )
             positions = position_ids.to(x.device).expand(bsz, n)
         rope = self.rotary(positions)
         hidden = [x] if output_hidden_states else None
@@ -407,6 +507,8 @@ class DiffTransformerLM(nn.Module):
                     f"labels shape {tuple(labels.shape)} does not match "
                     f"the input's (batch, seq_len) = {(bsz, n)}"
                 )
+            if document_ids is not None:
+                labels = labels_within_documents(labels, document_ids)
             loss = next_token_loss(logits, labels)
         return CausalLMOutput(
             logits=logits,
@@ -415,6 +517,7 @@ class DiffTransformerLM(nn.Module):
             attention_maps=tuple(maps) if maps is not None else None,
             hidden_states=tuple(hidden) if hidden is not None else None,
             past_key_values=cache,
+            documents=document_ids,
         )
 
 

@@ -70,7 +70,7 @@ class Call:
             grad=torch.is_grad_enabled() and any(t.requires_grad for t in tensors),
             decode=q.shape[2] == 1,
             padded=mask.key_padding is not None,
-            custom_mask=mask.allowed is not None,
+            custom_mask=mask.custom,
             traced=torch.compiler.is_compiling(),
             head_dim=q.shape[-1],
             cached=1 < q.shape[2] < k.shape[2],

@@ -69,13 +69,17 @@ __all__ = [
 
 def _backend_for(name: str, entry: str, tensors: tuple, k: torch.Tensor, mask: AttentionMask):
     """The backend a call runs on: ``auto`` resolved for this call (:mod:`.auto`), or the
-    named one (custom masks go to ``sdpa`` when it takes none)."""
+    named one (custom masks and packed documents go to ``sdpa`` when it takes neither)."""
     if name == "auto":
         call = auto.Call.of(entry, tensors, mask)
         return get_backend(auto.choose(call, tensors[0], k, mask))
     chosen = get_backend(resolve_backend(name, tensors[0]))
-    if mask.allowed is not None and not chosen.custom_masks:
-        log_once(chosen.name, "custom_masks", "takes no 4-D masks; sdpa runs those calls")
+    if mask.custom and not chosen.custom_masks:
+        log_once(
+            chosen.name,
+            "custom_masks",
+            "takes no 4-D masks or packed documents; sdpa runs those calls",
+        )
         return get_backend("sdpa")
     if auto.any_refused():
         call = auto.Call.of(entry, tensors, mask)

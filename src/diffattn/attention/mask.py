@@ -5,6 +5,9 @@ Query ``i`` (at absolute position ``i + offset`` in the key sequence) may read k
 Real tokens never read padding, so their outputs equal those of the unpadded sequence; a
 padding query reads only its own position, wherever the padding sits (left, right or holes),
 so its output is the same on every backend and depends on nothing else in the sequence.
+
+Documents packed in one row (``document_ids``) add one condition: query and key belong to the
+same document. A packed row then computes what each document computes alone.
 """
 
 from __future__ import annotations
@@ -28,8 +31,17 @@ class AttentionMask:
     key_padding: torch.Tensor | None = None
     query_offset: int | torch.Tensor = 0
     allowed: torch.Tensor | None = None
-    """A full boolean mask ``(B or 1, 1, N, S)`` (custom masks, packed sequences); when set it
-    replaces the causal and padding rule."""
+    """A full boolean mask ``(B or 1, 1, N, S)`` (custom masks); when set it replaces the
+    causal and padding rule."""
+    document_ids: torch.Tensor | None = None
+    """``(B, S)`` integer document of each key position (documents packed in a row): a query
+    reads only keys of its own document, on top of the rule above. ``None``: one document."""
+
+    @property
+    def custom(self) -> bool:
+        """Whether the mask goes beyond causal and padding (a full mask, or documents): the
+        calls backends without ``custom_masks`` leave to ``sdpa``."""
+        return self.allowed is not None or self.document_ids is not None
 
     def dense(
         self, n_queries: int, n_keys: int, device: torch.device, row_start: int = 0
@@ -39,6 +51,20 @@ class AttentionMask:
         ``row_start`` selects query rows ``row_start … row_start + n_queries − 1`` of the call,
         so blocked kernels build the mask of one block of rows at a time.
         """
+        allowed = self._positional(n_queries, n_keys, device, row_start)
+        if self.document_ids is None:
+            return allowed
+        docs = self.document_ids.to(device)
+        rows = torch.arange(n_queries, device=device) + (self.query_offset + row_start)
+        doc_q = docs[:, rows.clamp_max(n_keys - 1)]
+        same = doc_q[:, :, None] == docs[:, None, :n_keys]
+        return allowed & same[:, None]
+
+    def _positional(
+        self, n_queries: int, n_keys: int, device: torch.device, row_start: int
+    ) -> torch.Tensor:
+        """The full mask, or the causal and padding rule, as ``dense`` returns it without
+        documents."""
         if self.allowed is not None:
             return self.allowed[:, :, row_start : row_start + n_queries].to(device)
         q_pos = torch.arange(n_queries, device=device)[:, None] + (self.query_offset + row_start)

@@ -68,8 +68,9 @@ class Backend:
     hf_name: str | None = None
     description: str = ""
     custom_masks: bool = True
-    """Whether the kernels take a full 4-D mask (``AttentionMask.allowed``); calls with one go
-    to ``sdpa`` otherwise."""
+    """Whether the kernels take a full 4-D mask (``AttentionMask.allowed``) and documents packed
+    in a row (``AttentionMask.document_ids``), through ``AttentionMask.dense``; calls with
+    either go to ``sdpa`` otherwise."""
     ready: Callable[[torch.Tensor], str | None] | None = None
     accepts: Callable[[torch.Tensor, torch.Tensor, object], str | None] | None = None
 

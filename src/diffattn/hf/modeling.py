@@ -64,7 +64,12 @@ from diffattn.hf.paged import (
 )
 from diffattn.hf.tp_plan import TP_PLAN
 from diffattn.hf.value_heads import merge_value_heads, split_value_heads, value_parts
-from diffattn.model import DecoderBlock, DiffTransformerLM, next_token_loss
+from diffattn.model import (
+    DecoderBlock,
+    DiffTransformerLM,
+    labels_within_documents,
+    next_token_loss,
+)
 
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 
@@ -231,6 +236,51 @@ class DiffAttnPreTrainedModel(PreTrainedModel):
                     lm.init_module(module)
 
 
+def flattened_documents(
+    cu_seq_lens_q: torch.Tensor,
+    cu_seq_lens_k: torch.Tensor | None,
+    max_length_q: int | None,
+    max_length_k: int | None,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+) -> torch.Tensor:
+    """The ``(1, N)`` document ids of HF's padding-free batch: one row whose documents end at
+    ``cu_seq_lens_q[1:]`` (``[0, len_1, len_1 + len_2, ..., N]``). The keys are the queries
+    (``cu_seq_lens_k`` equal, or absent), and ``max_length_q``/``_k``, when given, are the
+    longest document; anything else is a ``ValueError`` naming it."""
+    rows = input_ids if input_ids is not None else inputs_embeds
+    if rows is None or rows.shape[0] != 1:
+        shape = None if rows is None else tuple(rows.shape[:2])
+        raise ValueError(
+            f"cu_seq_lens_q without a paged cache is HF's padding-free format: one row of "
+            f"packed documents, got input of shape {shape}"
+        )
+    n = rows.shape[1]
+    bounds = cu_seq_lens_q.detach().to("cpu", torch.long).flatten()
+    lengths = bounds[1:] - bounds[:-1]
+    if (
+        bounds.numel() < 2
+        or int(bounds[0]) != 0
+        or int(bounds[-1]) != n
+        or bool((lengths < 1).any())
+    ):
+        raise ValueError(
+            f"cu_seq_lens_q must run from 0 to the row's {n} tokens in growing steps, got "
+            f"{bounds.tolist()}"
+        )
+    if cu_seq_lens_k is not None and not torch.equal(
+        cu_seq_lens_k.detach().cpu().long().flatten(), bounds
+    ):
+        raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q (self-attention over the row)")
+    for name, value in (("max_length_q", max_length_q), ("max_length_k", max_length_k)):
+        if value is not None and int(value) != int(lengths.max()):
+            raise ValueError(
+                f"{name}={int(value)} is not the longest document ({int(lengths.max())} tokens)"
+            )
+    document_ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return document_ids[None].to(rows.device)
+
+
 class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
     """Causal LM head model: ``forward`` returns HF's ``CausalLMOutputWithPast``."""
 
@@ -382,7 +432,10 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
                 targets divided by it, as in HF's own causal LMs.
             cu_seq_lens_q, cu_seq_lens_k, read_index, write_index, block_table: continuous
                 batching's packed batch over a paged cache (:mod:`diffattn.hf.paged`): given
-                together with a ``PagedAttentionCache``, and only then.
+                together with a ``PagedAttentionCache``. Without one, ``cu_seq_lens_q``/``_k``
+                (and ``max_length_q``/``_k``) are HF's padding-free format
+                (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): one row of
+                documents, each attending only to itself (``document_ids`` of the core model).
             logits_indices, logits_processor_args: the rows continuous batching samples from
                 and its logits processors' inputs; it applies them to the returned logits
                 itself (the rows arrive again as a tensor ``logits_to_keep``).
@@ -392,6 +445,14 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
                 request is causal.
         """
         cache = resolve_cache_argument(cache, past_key_values)
+        document_ids = None
+        if cu_seq_lens_q is not None and not is_paged_cache(cache) and read_index is None:
+            # HF's padding-free format with flash kwargs (DataCollatorWithFlattening(
+            # return_flash_attn_kwargs=True)): one row of documents bounded by cu_seq_lens.
+            document_ids = flattened_documents(
+                cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, input_ids, inputs_embeds
+            )
+            cu_seq_lens_q = cu_seq_lens_k = max_length_q = max_length_k = None
         if cu_seq_lens_q is not None or is_paged_cache(cache):
             arguments = PagedBatchArguments(
                 cu_seq_lens_q, cu_seq_lens_k, read_index, write_index, block_table
@@ -470,9 +531,12 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             cache_position=slots,
             inputs_embeds=inputs_embeds,
             position_ids=position_ids,
+            document_ids=document_ids,
         )
         loss = out.loss
         if labels is not None and num_items_in_batch is not None:
+            if out.documents is not None:
+                labels = labels_within_documents(labels, out.documents)
             loss = next_token_loss(out.logits, labels, reduction="sum") / num_items_in_batch
         return self._causal_lm_output(loss, out.logits, out, logits_to_keep, cache, return_dict)
 

@@ -36,6 +36,8 @@ def _accepts(q: torch.Tensor, k: torch.Tensor, mask: AttentionMask) -> str | Non
     n, s = q.shape[2], k.shape[2]
     if mask.allowed is not None:
         return "a full 4-D mask"
+    if mask.document_ids is not None:
+        return "documents packed in a row"
     if isinstance(mask.query_offset, torch.Tensor):
         return "a tensor query offset (static cache): flash aligns causal masks to the end"
     if mask.key_padding is None:
@@ -53,8 +55,10 @@ def _flash_call(q, k, v, mask: AttentionMask, scale: float) -> torch.Tensor:
     s = k.shape[2]
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # flash wants (B, N, H, d)
     # flash-attn aligns causal masks bottom-right, which matches query_offset = S - N.
-    if mask.allowed is not None:
-        raise RuntimeError("flash backend takes causal and padding masks only, not 4-D masks")
+    if mask.custom:
+        raise RuntimeError(
+            "flash backend takes causal and padding masks only, not 4-D masks or packed documents"
+        )
     if mask.key_padding is None or bool(mask.key_padding.all()):
         if mask.query_offset not in (0, s - n):
             raise RuntimeError("flash backend needs query_offset == S - N")

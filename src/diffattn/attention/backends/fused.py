@@ -92,7 +92,7 @@ class _Blocks:
     def __init__(self, mask: AttentionMask, bsz: int, h: int, n: int, s: int) -> None:
         self.mask, self.n, self.s = mask, n, s
         self.offset = int(mask.query_offset)
-        self.plain_causal = mask.key_padding is None and mask.allowed is None
+        self.plain_causal = mask.key_padding is None and not mask.custom
         rows = BLOCK_ELEMENTS // max(1, bsz * h * s)
         self.rows = max(MIN_BLOCK_ROWS, min(n, rows))
         self._band: torch.Tensor | None = None
@@ -215,8 +215,9 @@ def _backward(grad, q1s, q2s, k1, k2, v, lam: float, scale: float, blocks: _Bloc
 
 def _compiled_kernel_for(q: torch.Tensor, mask: AttentionMask) -> bool:
     """Whether a call runs on the compiled CPU kernel (:mod:`~diffattn.attention.cpu_kernel`):
-    CPU tensors, the causal/padding mask rule (not a full custom mask), and the kernel built."""
-    if q.device.type != "cpu" or mask.allowed is not None or not USE_COMPILED:
+    CPU tensors, the causal/padding mask rule (not a full custom mask, no packed documents),
+    and the kernel built."""
+    if q.device.type != "cpu" or mask.custom or not USE_COMPILED:
         return False
     reason = cpu_kernel.unavailable()
     if reason is not None:

@@ -78,12 +78,24 @@ def match_head_widths(
     return q, k, v
 
 
+def heads_differ(query_heads, key_heads) -> bool:
+    """Whether SDPA must group query heads over fewer KV heads (``enable_gqa``), as a Python
+    bool even when a head count is symbolic (an export with dynamic shapes, where a static
+    cache's buffers come in as inputs): then ``True`` unless the two are known equal, which is
+    exact either way (grouping over equal counts repeats each KV head once)."""
+    if isinstance(query_heads, int) and isinstance(key_heads, int):
+        return query_heads != key_heads
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return not statically_known_true(query_heads == key_heads)
+
+
 def _sdpa_call(q, k, v, scale, *, is_causal=False, attn_mask=None, pad_widths=True):
     dv = v.shape[-1]
     if pad_widths:
         q, k, v = match_head_widths(q, k, v)
-    gqa = q.shape[1] != k.shape[1]
-    if gqa and q.shape[2] == 1 and not is_causal:
+    gqa = heads_differ(q.shape[1], k.shape[1])
+    if gqa and isinstance(q.shape[2], int) and q.shape[2] == 1 and not is_causal:
         return _one_query_per_group(q, k, v, scale, attn_mask)[..., :dv]
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
@@ -122,7 +134,7 @@ def sdpa_attention(
     _sdpa = functools.partial(_sdpa_call, pad_widths=pad_widths)
     dense = (
         isinstance(mask.query_offset, torch.Tensor)  # fixed-shape (compiled) decoding
-        or mask.allowed is not None  # a full custom mask
+        or mask.custom  # a full custom mask, or documents packed in a row
         or (mask.key_padding is not None and torch.compiler.is_compiling())  # no host reads
     )
     if dense:
@@ -198,7 +210,7 @@ _cudnn_accepted: set[tuple] = set()
 def _call_kind(q1: torch.Tensor, k1: torch.Tensor, v: torch.Tensor, mask: AttentionMask):
     """What cuDNN's acceptance depends on: dtype, widths, training, GQA, masking."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q1, k1, v))
-    masked = mask.key_padding is not None or mask.allowed is not None
+    masked = mask.key_padding is not None or mask.custom
     return (
         str(q1.dtype).removeprefix("torch."),
         q1.shape[-1],

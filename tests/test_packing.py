@@ -1,0 +1,157 @@
+"""Documents packed in one row never see each other: every CPU backend, every attention type,
+fp32, outputs and gradients equal running each document alone; RoPE restarts per document, no
+loss target crosses a boundary, and max_seq_len bounds each document."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffattn import DiffTransformerLM
+from diffattn.model import documents_from_positions, positions_in_documents
+from helpers import ATTENTIONS, TINY_VOCAB, tiny_config
+
+BACKENDS = ("reference", "sdpa", "fused", "auto")
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def model_for(attention: str, backend: str, **overrides) -> DiffTransformerLM:
+    torch.manual_seed(0)
+    config = tiny_config(attention, max_seq_len=160, backend=backend, **overrides)
+    return DiffTransformerLM(config).eval()
+
+
+def packed(lengths: list[int], seed: int = 0):
+    """``(input_ids (1, N), document_ids (1, N), the documents' ids)``."""
+    generator = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, TINY_VOCAB, (n,), generator=generator) for n in lengths]
+    ids = torch.cat(docs)[None]
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    return ids, document_ids, docs
+
+
+def weighted_logits(logits: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    """A scalar that depends on every logit (for gradients of every parameter)."""
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))
+    weights = weights.to(logits.dtype)
+    return (logits * weights).sum()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("lengths", [[1, 7, 129], [7, 1], [129, 1, 7, 3]], ids=str)
+def test_packed_documents_equal_each_alone_outputs_and_gradients(attention, backend, lengths):
+    model = model_for(attention, backend)
+    ids, document_ids, docs = packed(lengths)
+    packed_logits = model(ids, document_ids=document_ids).logits[0]
+    alone_logits = torch.cat([model(doc[None]).logits[0] for doc in docs])
+    torch.testing.assert_close(packed_logits, alone_logits, **TOL)
+
+    model.zero_grad()
+    weighted_logits(model(ids, document_ids=document_ids).logits[0]).backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    weighted_logits(torch.cat([model(doc[None]).logits[0] for doc in docs])).backward()
+    for name, p in model.named_parameters():
+        # Relative to the gradient's norm: the row and the documents sum in another fp32 order
+        # (the kernels and norms compute in fp32 whatever the model's dtype), and λ's gradient
+        # is a sum of terms of both signs: the same documents, alone, on `reference` and on
+        # `sdpa` give λ gradients 1.1e-4 apart (relative to their norm). Attention leaking
+        # across a boundary moves gradients by far more (the outputs above differ by ~1e-1).
+        error = (packed_grads[name] - p.grad).norm() / p.grad.norm().clamp_min(1e-12)
+        assert error < 5e-4, (name, error.item())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_one_document_is_todays_path(attention, backend):
+    model = model_for(attention, backend)
+    ids, _, _ = packed([40])
+    plain = model(ids).logits
+    one = model(ids, document_ids=torch.zeros_like(ids)).logits
+    assert torch.equal(one, plain)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_restarting_positions_are_documents(attention):
+    """Hugging Face's padding-free format (``DataCollatorWithFlattening``): one row, positions
+    restarting at 0, no mask: each document computes what it computes alone."""
+    model = model_for(attention, "auto")
+    ids, document_ids, docs = packed([5, 9, 3])
+    positions = positions_in_documents(document_ids, None)
+    assert positions.tolist() == [[*range(5), *range(9), *range(3)]]
+    by_positions = model(ids, position_ids=positions).logits[0]
+    alone = torch.cat([model(doc[None]).logits[0] for doc in docs])
+    torch.testing.assert_close(by_positions, alone, **TOL)
+    assert torch.equal(documents_from_positions(positions), document_ids)
+    assert documents_from_positions(torch.arange(6)[None]) is None
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_padded_rows_of_packed_documents(attention):
+    """Two rows, right-padded, each packing documents: real tokens get their documents' own
+    outputs, with positions counting each document's real tokens."""
+    model = model_for(attention, "auto")
+    ids_a, docs_a, alone_a = packed([4, 6], seed=1)
+    ids_b, docs_b, alone_b = packed([3, 2], seed=2)
+    pad = ids_a.shape[1] - ids_b.shape[1]
+    ids = torch.cat([ids_a, torch.nn.functional.pad(ids_b, (0, pad))])
+    document_ids = torch.cat([docs_a, torch.nn.functional.pad(docs_b, (0, pad), value=2)])
+    mask = torch.ones_like(ids)
+    mask[1, ids_b.shape[1] :] = 0
+    logits = model(ids, attention_mask=mask, document_ids=document_ids).logits
+    torch.testing.assert_close(
+        logits[0], torch.cat([model(d[None]).logits[0] for d in alone_a]), **TOL
+    )
+    torch.testing.assert_close(
+        logits[1, : ids_b.shape[1]], torch.cat([model(d[None]).logits[0] for d in alone_b]), **TOL
+    )
+
+
+def test_the_loss_never_crosses_a_boundary():
+    model = model_for("diff_v1", "auto")
+    ids, document_ids, docs = packed([6, 9, 4])
+    loss = model(ids, labels=ids, document_ids=document_ids).loss
+    sums = [model(d[None], labels=d[None]).loss * (len(d) - 1) for d in docs]
+    expected = sum(sums) / sum(len(d) - 1 for d in docs)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_max_seq_len_bounds_each_document_not_the_row():
+    model = model_for("baseline", "auto")  # max_seq_len 160
+    ids, document_ids, _ = packed([150, 150])
+    assert model(ids, document_ids=document_ids).logits.shape[1] == 300
+    ids, document_ids, _ = packed([161, 3])
+    with pytest.raises(ValueError, match="a packed document of 161 tokens exceeds max_seq_len=160"):
+        model(ids, document_ids=document_ids)
+    with pytest.raises(ValueError, match="sequence length 300 exceeds max_seq_len=160"):
+        model(torch.zeros(1, 300, dtype=torch.long))
+
+
+def test_documents_are_refused_where_they_cannot_hold():
+    from diffattn.cache import DynamicCache
+
+    model = model_for("baseline", "auto")
+    ids, document_ids, _ = packed([3, 4])
+    with pytest.raises(
+        ValueError, match=r"document_ids must be an integer tensor of shape \(1, 7\)"
+    ):
+        model(ids, document_ids=document_ids[:, :5])
+    cache = DynamicCache()
+    model(ids[:, :2], past_key_values=cache)
+    with pytest.raises(ValueError, match="cannot follow cached tokens"):
+        model(ids, document_ids=document_ids, past_key_values=cache)
+    full = torch.ones(1, 1, 7, 7, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="give one"):
+        model(ids, attention_mask=full, document_ids=document_ids)
+
+
+def test_backends_without_document_masks_hand_them_to_sdpa():
+    from diffattn.attention.registry import get_backend
+
+    for name in ("flash", "triton"):
+        try:
+            backend = get_backend(name)
+        except (KeyError, ValueError):
+            continue
+        assert not backend.custom_masks, name
