@@ -15,7 +15,7 @@ checkpoints. See ``docs/data.md``.
 """
 
 from diffattn.data.corpus import DEFAULT_CORPUS_BYTES, default_corpus, stdlib_files
-from diffattn.data.loader import BatchLoader, eval_batches
+from diffattn.data.loader import BatchLoader, documents_after_eos, eval_batches
 from diffattn.data.prepare import (
     DataConfig,
     DataStats,
@@ -62,6 +62,7 @@ __all__ = [
     "DEFAULT_CORPUS_BYTES",
     "EOS_TOKEN",
     "BatchLoader",
+    "documents_after_eos",
     "DataConfig",
     "DataStats",
     "HFTokenizer",

@@ -180,6 +180,15 @@ class BatchLoader:
         self.epoch, self.index = int(epoch), int(index)
 
 
+def documents_after_eos(batch: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """The documents of each window, ``(B, N)``: a new one begins after every EOS (the EOS
+    belongs to the document it ends). For training with document masking
+    (``TrainConfig.document_masking``), where a window that crosses document boundaries attends
+    only within each document (``DiffTransformerLM``'s ``document_ids``)."""
+    ends = (batch == eos_id).long()
+    return torch.nn.functional.pad(ends[:, :-1].cumsum(-1), (1, 0))
+
+
 def spread_windows(num_windows: int, count: int) -> np.ndarray:
     """``count`` window indices spread evenly over ``num_windows`` windows, in stream order:
     window ``⌊i · num_windows / count⌋`` for ``i = 0 … count − 1``.

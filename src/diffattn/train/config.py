@@ -193,6 +193,10 @@ class TrainConfig:
     """``auto``: bf16 autocast on CUDA, fp32 on CPU. ``bf16`` needs CUDA."""
     compile: bool = False
     """``torch.compile`` each decoder block."""
+    document_masking: bool = False
+    """Attend only within each document of a window (documents end with EOS; RoPE restarts and
+    no loss target crosses a boundary), as packed fine-tuning does. ``false`` (the papers'
+    pretraining, and the default) attends across the concatenated stream."""
     activation_checkpointing: bool = False
     """Recompute each decoder block in backward (``torch.utils.checkpoint``, non-reentrant)."""
     parallel: Parallel = "none"

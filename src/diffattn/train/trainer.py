@@ -653,6 +653,7 @@ class Trainer:
         )
         loader = self.loader
         self.batches = loader if hasattr(loader, "__next__") else iter(loader)
+        self.eos_id = loader.data.eos_id
         self.spikes = SpikeDetector(config.spike_factor, config.spike_window)
 
     def _resume_from(self, found: Path) -> None:
@@ -765,10 +766,15 @@ class Trainer:
             last = index == self.accumulation - 1
             with gradient_sync(self.parallel_model, config.parallel, sync=last):
                 with _autocast(device, config.dtype), self.probe.capture():
-                    loss = self.parallel_model(chunk, labels=chunk).loss
+                    loss = self.parallel_model(chunk, **self._inputs(chunk)).loss
                 (loss / self.accumulation).backward()
             loss_sum += loss.detach().float()
         return loss_sum / self.accumulation
+
+    def _inputs(self, chunk: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments besides the tokens: the labels, and the documents
+        with ``document_masking``."""
+        return model_inputs(chunk, self.eos_id if self.config.document_masking else None)
 
     def train_step(self) -> StepState:
         """One optimizer step (see the module docstring); returns what the callbacks saw.
@@ -870,6 +876,7 @@ class Trainer:
             self.device,
             self.config.dtype,
             return_token_losses=return_token_losses,
+            eos_id=self.eos_id if self.config.document_masking else None,
         )
 
     # ------------------------------------------------------------------------------------
@@ -1055,6 +1062,16 @@ class Evaluation:
     float32 on CPU (row i, column j: −log p(token j+1 | tokens ≤ j))."""
 
 
+def model_inputs(chunk: torch.Tensor, eos_id: int | None) -> dict[str, torch.Tensor]:
+    """``labels`` (the chunk itself), and ``document_ids`` split at each EOS when ``eos_id`` is
+    given (``TrainConfig.document_masking``)."""
+    if eos_id is None:
+        return {"labels": chunk}
+    from diffattn.data import documents_after_eos
+
+    return {"labels": chunk, "document_ids": documents_after_eos(chunk, eos_id)}
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -1063,9 +1080,11 @@ def evaluate(
     device: torch.device,
     dtype: str = "auto",
     return_token_losses: bool = False,
+    eos_id: int | None = None,
 ) -> Evaluation:
     """Mean validation loss of ``model`` over every rank's rows of ``batches`` (each rank holds
     the same number of rows, run in chunks of ``micro_batch_size``), as the trainer measures.
+    With ``eos_id`` the windows are masked by document, as ``document_masking`` trains.
 
     The mean is the model's own ``.loss`` weighted by rows. With ``return_token_losses`` the
     per-token losses are computed from ``.logits`` of the same forward passes.
@@ -1084,7 +1103,7 @@ def evaluate(
         for batch in batches:
             for chunk in batch.to(device).split(micro_batch_size):
                 with _autocast(device, dtype):
-                    output = model(chunk, labels=chunk)
+                    output = model(chunk, **model_inputs(chunk, eos_id))
                 totals[0] += output.loss.double() * chunk.shape[0]
                 totals[1] += chunk.shape[0]
                 if return_token_losses:
