@@ -126,13 +126,13 @@ class DiffAttnAttention(nn.Module):
                 self.head_norm_weight = nn.Parameter(torch.empty(2 * d), requires_grad=False)
             else:
                 self.head_norm_weight = None
+        if self.kind == "diff_v2" and not config.v2_paired_heads and tp_size > 1:
+            raise ValueError(
+                "the unpaired DIFF V2 ablation (v2_paired_heads=False) subtracts heads that "
+                "tensor parallelism places on different ranks; serve it with "
+                "tensor_parallel_size=1"
+            )
         if self.kind == "diff_v2" and config.v2_use_lambda:
-            if not config.v2_paired_heads and tp_size > 1:
-                raise ValueError(
-                    "the unpaired DIFF V2 ablation (v2_paired_heads=False) subtracts heads "
-                    "that tensor parallelism places on different ranks; serve it with "
-                    "tensor_parallel_size=1"
-                )
             self.lambda_proj = ColumnParallelLinear(
                 config.d_model,
                 config.n_heads,
