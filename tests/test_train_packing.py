@@ -11,29 +11,12 @@ from extras import require_extra
 
 pytestmark = require_extra("train")
 
-from train_helpers import read_losses, tiny_recipe, train_cli, write_recipe
+from train_helpers import read_losses, short_documents_recipe, train_cli, write_recipe
 
 pytestmark = [pytestmark, pytest.mark.usefixtures("one_thread")]
 
 EOS_ID = 0
 """The EOS of the tiny recipe's BPE (``<eos>``, its first special token)."""
-
-
-def short_documents(tmp_path, data_cache, **changes):
-    """The tiny recipe on 3,000 documents of 5 to 30 words (a JSONL file): most 32-token
-    windows cross a document boundary."""
-    import json
-    import random
-
-    rng = random.Random(0)
-    words = "alpha beta gamma delta epsilon zeta theta kappa sigma omega def return".split()
-    path = tmp_path / "docs.jsonl"
-    with path.open("w") as f:
-        for _ in range(3000):
-            text = " ".join(rng.choice(words) for _ in range(rng.randint(5, 30)))
-            f.write(json.dumps({"text": text}) + "\n")
-    data = {"sources": [str(path)], "max_bytes": None}
-    return tiny_recipe(data_cache, data=data, document_masking=True, **changes)
 
 
 def test_documents_begin_after_each_eos():
@@ -56,7 +39,9 @@ def test_the_trainer_hands_the_documents_to_the_model(tmp_path, data_cache, monk
         return forward(self, input_ids, *args, document_ids=document_ids, **kwargs)
 
     monkeypatch.setattr(DiffTransformerLM, "forward", recording)
-    recipe = short_documents(tmp_path, data_cache, steps=2, eval_every=2)
+    recipe = short_documents_recipe(
+        tmp_path, data_cache, steps=2, eval_every=2, document_masking=True
+    )
     train(TrainConfig.from_dict(recipe), tmp_path / "run")
     assert len(seen) >= 4 + 2  # 2 steps × 2 micro batches, then validation
     boundaries = 0
@@ -67,7 +52,10 @@ def test_the_trainer_hands_the_documents_to_the_model(tmp_path, data_cache, monk
 
 
 def test_resume_with_document_masking_repeats_the_losses(tmp_path, data_cache):
-    recipe = write_recipe(tmp_path / "tiny.yaml", short_documents(tmp_path, data_cache, steps=6))
+    recipe = write_recipe(
+        tmp_path / "tiny.yaml",
+        short_documents_recipe(tmp_path, data_cache, steps=6, document_masking=True),
+    )
     a, b = tmp_path / "A", tmp_path / "B"
     assert train_cli(str(recipe), "--steps", "6", "--out", str(a)) == 0
     assert train_cli(str(recipe), "--steps", "3", "--out", str(b)) == 0

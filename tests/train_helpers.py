@@ -58,6 +58,23 @@ def tiny_recipe(cache_dir: str | os.PathLike, **changes: Any) -> dict[str, Any]:
     return recipe
 
 
+def short_documents_recipe(tmp_path, data_cache, **changes):
+    """The tiny recipe on 3,000 documents of 5 to 30 words (``tmp_path/docs.jsonl``): most
+    32-token windows cross a document boundary."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "sigma", "omega", "def", "return"]
+    path = tmp_path / "docs.jsonl"
+    with path.open("w") as f:
+        for _ in range(3000):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(5, 30)))
+            f.write(json.dumps({"text": text}) + "\n")
+    data = {"sources": [str(path)], "max_bytes": None}
+    return tiny_recipe(data_cache, data={**data, **changes.pop("data", {})}, **changes)
+
+
 def write_recipe(path: Path, recipe: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
     return path

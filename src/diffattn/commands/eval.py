@@ -49,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
     from diffattn.fileio import check_output_directory, clear_output_directory, read_json
 
     args.out = Path(args.out or f"runs/eval/{args.experiment}")
+    if getattr(args, "data_defaults", None) is not None:  # an experiment that reads documents
+        from diffattn.eval.run_split import resolve
+
+        args.data_provenance = resolve(args, args.data_defaults)
     prepare = getattr(importlib.import_module(args.experiment_main.__module__), "prepare", None)
     if prepare is not None:  # check the arguments against the models before touching --out
         args.prepared = prepare(args)

@@ -219,12 +219,15 @@ def write_outputs(
     settings: dict[str, Any],
     data_fingerprint: str | None = None,
     figures: Sequence[Path] = (),
+    data_from: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
     """Write ``results.json`` and ``report.md`` into ``out`` (figures are already there).
 
     ``results.json`` holds ``results`` plus the experiment, models, settings (seeds
-    included), data fingerprint, command line, library and torch versions.
+    included), data fingerprint, where each data setting came from (``data_from``: the run's
+    recipe, a flag, or the evaluation's default), command line, library and torch versions.
     """
+    from diffattn.eval.run_split import report_lines
     from diffattn.version import __version__
 
     out = Path(out)
@@ -233,6 +236,7 @@ def write_outputs(
         "experiment": experiment,
         "models": [m.describe() for m in models],
         "settings": settings,
+        "data_from": data_from,
         "data_fingerprint": data_fingerprint,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "diffattn_version": __version__,
@@ -252,6 +256,7 @@ def write_outputs(
         "| model | kind | attention | parameters |\n|---|---|---|---|\n"
         + "".join(f"| {m.name} | {m.kind} | {m.attention} | {m.n_params:,} |\n" for m in models)
         + "\n"
+        + (report_lines(data_from) if data_from else "")
     )
     figure_lines = "".join(f"\n![{Path(f).stem}]({Path(f).name})\n" for f in figures)
     (out / REPORT_NAME).write_text(header + report.rstrip() + "\n" + figure_lines, "utf-8")
@@ -279,7 +284,15 @@ def finish(
     figures = [f for f in figures if f is not None]
     fingerprint_value = data_fingerprint or results.get("data_fingerprint")
     path = write_outputs(
-        args.out, experiment, results, models, report, settings, fingerprint_value, figures
+        args.out,
+        experiment,
+        results,
+        models,
+        report,
+        settings,
+        fingerprint_value,
+        figures,
+        data_from=getattr(args, "data_provenance", None),
     )
     print(report)
     print(f"wrote {path}")

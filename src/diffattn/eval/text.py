@@ -29,9 +29,15 @@ DATA_SETTINGS = ("data", "split", "valid_fraction", "data_seed", "seq_len", "max
 
 def add_data_arguments(parser: Any, seq_len: int, max_tokens: int) -> None:
     """``--data``, ``--split``, ``--valid-fraction``, ``--data-seed`` (as eval loss reads
-    documents), ``--seq-len`` and ``--max-tokens``."""
+    documents), ``--seq-len`` and ``--max-tokens``. The first four and ``--seq-len`` default to
+    the evaluated run's own recipe (:mod:`diffattn.eval.run_split`), else to the values shown."""
+    defaults = {"data": ["stdlib"], "valid_fraction": 0.02, "data_seed": 0, "seq_len": seq_len}
+    parser.set_defaults(data_defaults=defaults)
     parser.add_argument(
-        "--data", nargs="+", default=["stdlib"], help="data specs (default: stdlib)"
+        "--data",
+        nargs="+",
+        default=None,
+        help="data specs (default: the run's data.sources, else stdlib)",
     )
     parser.add_argument(
         "--split",
@@ -40,11 +46,22 @@ def add_data_arguments(parser: Any, seq_len: int, max_tokens: int) -> None:
         help="held-out documents only (default) or every document",
     )
     parser.add_argument(
-        "--valid-fraction", type=float, default=0.02, help="the recipe's data.valid_fraction"
+        "--valid-fraction",
+        type=float,
+        default=None,
+        help="the recipe's data.valid_fraction (default: the run's, else 0.02)",
     )
-    parser.add_argument("--data-seed", type=int, default=0, help="the recipe's data.seed")
     parser.add_argument(
-        "--seq-len", type=int, default=seq_len, help=f"context window (default {seq_len})"
+        "--data-seed",
+        type=int,
+        default=None,
+        help="the recipe's data.seed (default: the run's, else 0)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help=f"context window (default: the run's seq_len, else {seq_len})",
     )
     parser.add_argument(
         "--max-tokens",

@@ -1,0 +1,150 @@
+"""The held-out split an evaluation reads: the trained run's own, never a guess.
+
+A diffattn checkpoint written by the trainer carries its recipe (``train_config.yaml``), whose
+``data`` section decides which documents the run held out: ``sources``, ``valid_fraction`` and
+``seed`` (document-level split, ``diffattn.data.is_validation_document``), and whose ``seq_len``
+is the window the run trained on. For such a model every ``diffattn eval`` experiment that reads
+documents takes these from the run unless a flag gives them, and records where each value came
+from. A flag that changes the held-out documents (other sources, another fraction or seed) would
+score documents the run trained on as held out, so it is refused with one line naming both
+values, unless ``--split all`` says every document is wanted. ``--seq-len`` and
+``--max-tokens`` only change the windows and are taken as given. Models without a recipe (Hugging
+Face directories, saved models, GGUF) keep the evaluation's own defaults, and the record says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+TRAIN_CONFIG_NAME = "train_config.yaml"
+SPLIT_KEYS = ("data", "valid_fraction", "data_seed")
+"""The settings that decide which documents are held out."""
+
+
+@dataclass(frozen=True)
+class RunSplit:
+    """What a run's recipe says about its data: the split and its training window."""
+
+    recipe: Path
+    data: tuple[str, ...]
+    valid_fraction: float
+    data_seed: int
+    seq_len: int
+
+    def value(self, key: str) -> Any:
+        return list(self.data) if key == "data" else getattr(self, key)
+
+
+def recipe_of(spec: str) -> Path | None:
+    """The training recipe stored with model ``spec`` (a checkpoint directory), or ``None``."""
+    path = Path(str(spec)).expanduser()
+    recipe = path / TRAIN_CONFIG_NAME
+    return recipe if recipe.is_file() else None
+
+
+def run_split(recipe: Path) -> RunSplit:
+    """The split a recipe trained with, its unset keys at ``DataConfig``'s and ``TrainConfig``'s
+    defaults (what the trainer used)."""
+    import yaml
+
+    from diffattn.data import DataConfig
+    from diffattn.train.config import TrainConfig
+
+    try:
+        loaded = yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"{recipe}: cannot read the run's recipe: {error}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{recipe}: the run's recipe is not a mapping")
+    data_defaults = {f.name: f.default for f in fields(DataConfig)}
+    data = {**data_defaults, **(loaded.get("data") or {})}
+    train_defaults = {f.name: f.default for f in fields(TrainConfig)}
+    sources = data["sources"]
+    return RunSplit(
+        recipe=recipe,
+        data=tuple([sources] if isinstance(sources, str) else sources),
+        valid_fraction=float(data["valid_fraction"]),
+        data_seed=int(data["seed"]),
+        seq_len=int(loaded.get("seq_len", train_defaults["seq_len"])),
+    )
+
+
+def resolve(args: Any, defaults: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Fill ``args``' data settings (``None``: not given) from the models' runs or ``defaults``;
+    returns, per setting, its value and where it came from.
+
+    Raises:
+        ValueError: the models come from runs with different splits and no flag decides, or a
+            flag changes a run's held-out documents without ``--split all``.
+    """
+    specs = [args.model, *getattr(args, "compare", [])]
+    splits = {}
+    for spec in specs:
+        recipe = recipe_of(spec)
+        if recipe is not None:
+            splits[spec] = run_split(recipe)
+    everything = getattr(args, "split", "valid") == "all"
+    provenance: dict[str, dict[str, Any]] = {}
+    for key in (*SPLIT_KEYS, "seq_len"):
+        given = getattr(args, key)
+        run_values = {spec: split.value(key) for spec, split in splits.items()}
+        flag = "--" + key.replace("_", "-")
+        if given is not None:
+            if key in SPLIT_KEYS and not everything:
+                for spec, value in run_values.items():
+                    if _differs(key, given, value):
+                        raise ValueError(
+                            f"{flag} {_show(given)} contradicts the run of {spec}, which held out "
+                            f"documents by {key} {_show(value)} ({splits[spec].recipe}): its "
+                            "held-out split would include documents it trained on; leave the "
+                            "flag out, or pass --split all to evaluate every document"
+                        )
+            provenance[key] = {"value": given, "from": flag}
+            continue
+        distinct = {_key(v) for v in run_values.values()}
+        if len(distinct) > 1 and (key in SPLIT_KEYS and not everything):
+            listed = "; ".join(f"{s}: {_show(v)}" for s, v in run_values.items())
+            raise ValueError(
+                f"the models' runs held out documents by different {key} ({listed}); no one "
+                f"split is held out for all of them: give {flag}, or --split all"
+            )
+        if run_values and len(distinct) == 1:
+            spec, value = next(iter(run_values.items()))
+            setattr(args, key, value)
+            provenance[key] = {"value": value, "from": f"the run's recipe ({splits[spec].recipe})"}
+        else:
+            setattr(args, key, defaults[key])
+            why = "the evaluation's default (no training recipe with the model)"
+            if run_values:
+                why = "the evaluation's default (the runs differ; --split all)"
+            provenance[key] = {"value": defaults[key], "from": why}
+    return provenance
+
+
+def _key(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list | tuple) else value
+
+
+def _differs(key: str, given: Any, value: Any) -> bool:
+    if key == "data":
+        return list(given) != list(value)
+    if key == "valid_fraction":
+        return abs(float(given) - float(value)) > 1e-12
+    return given != value
+
+
+def _show(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+
+
+def report_lines(provenance: dict[str, dict[str, Any]]) -> str:
+    """The markdown lines that say where each data setting came from."""
+    if not provenance:
+        return ""
+    rows = "".join(
+        f"| {key} | {_show(entry['value'])} | {entry['from']} |\n"
+        for key, entry in provenance.items()
+    )
+    return "| data setting | value | from |\n|---|---|---|\n" + rows + "\n"

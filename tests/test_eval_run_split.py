@@ -1,0 +1,138 @@
+"""``diffattn eval`` on a trained checkpoint reads the run's own held-out split: a flag that would
+score training documents as held out is refused, ``--split all`` says so explicitly, and the
+report says where each data setting came from."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from diffattn import cli
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
+from train_helpers import short_documents_recipe
+
+pytestmark = [pytestmark, pytest.mark.usefixtures("one_thread")]
+
+FRACTION = 0.001
+"""The issue's recipe: ``--set data.valid_fraction=0.001`` (every paper recipe uses it)."""
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, data_cache):
+    """A 2-step run holding out 0.1% of 3,000 short documents; its last checkpoint."""
+    from diffattn.train import TrainConfig, train
+
+    root = tmp_path_factory.mktemp("run")
+    recipe = short_documents_recipe(
+        root, data_cache, steps=2, data={"valid_fraction": FRACTION, "seed": 3}
+    )
+    train(TrainConfig.from_dict(recipe), root / "run")
+    return root / "run" / "checkpoints" / "step-00000002", root / "docs.jsonl"
+
+
+def held_out(docs_path, fraction, seed) -> int:
+    from diffattn.data import is_validation_document, iter_documents
+
+    return sum(
+        is_validation_document(d, seed=seed, valid_fraction=fraction)
+        for d in iter_documents([str(docs_path)])
+    )
+
+
+def eval_loss(model, out, *flags) -> int:
+    return cli.main(
+        ["eval", "loss", str(model), "--out", str(out), "--max-tokens", "2000", "--quiet", *flags]
+    )
+
+
+def test_eval_scores_the_runs_held_out_documents(checkpoint, tmp_path):
+    model, docs = checkpoint
+    assert eval_loss(model, tmp_path / "out") == 0
+    record = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert record["settings"]["valid_fraction"] == FRACTION
+    assert record["settings"]["data_seed"] == 3
+    assert record["settings"]["data"] == [str(docs)]
+    assert record["settings"]["seq_len"] == 32  # the run's window
+    assert record["results"]["documents"] == held_out(docs, FRACTION, 3)
+    assert record["results"]["documents"] < held_out(docs, 0.02, 0)  # not the old defaults
+    recipe = str(model / "train_config.yaml")
+    for key in ("data", "valid_fraction", "data_seed", "seq_len"):
+        assert record["data_from"][key]["from"] == f"the run's recipe ({recipe})"
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| valid_fraction | 0.001 | the run's recipe" in report
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--valid-fraction", "0.02"],
+            "--valid-fraction 0.02 contradicts the run of {model}, which held out documents by "
+            "valid_fraction 0.001",
+        ),
+        (["--data-seed", "0"], "--data-seed 0 contradicts the run of {model}"),
+        (["--data", "stdlib"], "--data stdlib contradicts the run of {model}"),
+    ],
+)
+def test_a_flag_that_would_leak_training_documents_is_one_line(
+    checkpoint, tmp_path, capsys, flags, message
+):
+    model, _ = checkpoint
+    assert eval_loss(model, tmp_path / "out", *flags) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert message.format(model=model) in err
+    assert "pass --split all to evaluate every document" in err
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_split_all_and_matching_or_window_flags_are_taken(checkpoint, tmp_path):
+    model, _ = checkpoint
+    assert eval_loss(model, tmp_path / "a", "--split", "all", "--valid-fraction", "0.02") == 0
+    record = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert record["data_from"]["valid_fraction"]["from"] == "--valid-fraction"
+    assert (
+        eval_loss(model, tmp_path / "b", "--valid-fraction", str(FRACTION), "--seq-len", "16") == 0
+    )
+    record = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert record["settings"]["seq_len"] == 16
+    assert record["data_from"]["seq_len"]["from"] == "--seq-len"
+
+
+def test_a_model_without_a_recipe_keeps_the_evaluations_defaults(checkpoint, tmp_path):
+    import shutil
+
+    model, _ = checkpoint
+    saved = tmp_path / "saved"
+    shutil.copytree(model, saved)
+    (saved / "train_config.yaml").unlink()
+    assert eval_loss(saved, tmp_path / "out", "--data", str(checkpoint[1]), "--seq-len", "32") == 0
+    record = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert record["settings"]["valid_fraction"] == 0.02
+    assert record["data_from"]["valid_fraction"]["from"] == (
+        "the evaluation's default (no training recipe with the model)"
+    )
+
+
+def test_models_from_runs_with_different_splits_need_a_flag(checkpoint, tmp_path, capsys):
+    import shutil
+
+    import yaml
+
+    model, _ = checkpoint
+    other = tmp_path / "other"
+    shutil.copytree(model, other)
+    recipe = yaml.safe_load((other / "train_config.yaml").read_text())
+    recipe["data"]["valid_fraction"] = 0.3
+    (other / "train_config.yaml").write_text(yaml.safe_dump(recipe))
+    code = cli.main(
+        ["eval", "loss", str(model), "--compare", str(other), "--out", str(tmp_path / "o")]
+    )
+    assert code == 2
+    assert "the models' runs held out documents by different valid_fraction" in (
+        capsys.readouterr().err
+    )
