@@ -65,7 +65,20 @@ def short_documents_recipe(tmp_path, data_cache, **changes):
     import random
 
     rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "sigma", "omega", "def", "return"]
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "epsilon",
+        "zeta",
+        "theta",
+        "kappa",
+        "sigma",
+        "omega",
+        "def",
+        "return",
+    ]
     path = tmp_path / "docs.jsonl"
     with path.open("w") as f:
         for _ in range(3000):
