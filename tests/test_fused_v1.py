@@ -132,6 +132,21 @@ def test_one_key_views_with_any_position_stride_match_reference(gqa):
     _assert_matches_reference((q1, q2, k1, k2, v, lam), AttentionMask())
 
 
+@pytest.mark.parametrize("padding", ["none", "right", "holes"])
+@pytest.mark.parametrize("gqa", [1, 2])
+@pytest.mark.parametrize("lengths", [[1, 7, 129], [7, 1, 3]], ids=str)
+def test_fused_with_packed_documents_matches_reference(lengths, gqa, padding, kernel_path):
+    """Documents packed in a row (``document_ids``): the compiled kernel takes them itself."""
+    n = sum(lengths)
+    documents = torch.cat([torch.full((k,), i) for i, k in enumerate(lengths)])
+    documents = torch.stack([documents, documents.flip(0)])  # another layout in row 2
+    mask = AttentionMask(key_padding=_padding(padding, 2, n), document_ids=documents)
+    assert fused._compiled_kernel_for(torch.zeros(1, device="cpu"), mask) == (
+        kernel_path == "compiled"
+    )
+    _assert_matches_reference(_inputs(2, 2 * gqa, 2, n, n), mask)
+
+
 def test_fused_with_a_custom_mask_matches_reference():
     n = 23
     allowed = torch.rand(2, 1, n, n) < 0.6

@@ -52,6 +52,7 @@ class Call:
     """One query position (a decode step)."""
     padded: bool
     custom_mask: bool
+    """A full 4-D mask or packed documents (``full_mask``: the first)."""
     traced: bool
     """Inside ``torch.compile`` (an eager static-cache step, with its tensor query offset, is
     a decode)."""
@@ -59,6 +60,9 @@ class Call:
     """The query heads' width (0: not given)."""
     cached: bool = False
     """Several queries against a longer key sequence (chunked prefill over a KV cache)."""
+    full_mask: bool = False
+    """A full 4-D mask (``AttentionMask.allowed``), which the compiled CPU kernel does not take
+    (packed documents it does)."""
 
     @classmethod
     def of(cls, entry: str, tensors: tuple[torch.Tensor, ...], mask: AttentionMask) -> Call:
@@ -74,6 +78,7 @@ class Call:
             traced=torch.compiler.is_compiling(),
             head_dim=q.shape[-1],
             cached=1 < q.shape[2] < k.shape[2],
+            full_mask=mask.allowed is not None,
         )
 
     @property
@@ -102,10 +107,10 @@ def order(call: Call) -> tuple[str, ...]:
     """Candidate backends for ``call``, fastest first (the measurements are in
     ``docs/performance.md``, *What auto picks*).
 
-    * CPU, DIFF V1, training, prefill and decode, padded or not (fp32 and bf16): ``fused``,
-      the compiled kernel (QKᵀ at width d, V read once, no N×N tensor), then ``sdpa``.
-      Custom masks and traced calls: ``sdpa`` (the compiled kernel takes neither; the
-      blocked torch path that would runs Python worker threads).
+    * CPU, DIFF V1, training, prefill and decode, padded or not, packed documents or not
+      (fp32 and bf16): ``fused``, the compiled kernel (QKᵀ at width d, V read once, no N×N
+      tensor), then ``sdpa``. Full 4-D masks and traced calls: ``sdpa`` (the compiled kernel
+      takes neither; the blocked torch path that would runs Python worker threads).
     * CPU, baseline and DIFF V2: ``sdpa`` (PyTorch's flash kernel for the CPU). No kernel of
       this package computes plain softmax attention; the compiled DIFF V1 kernel, doing a
       baseline head pair's FLOPs, times level with SDPA (``docs/kernels.md``), so a one-map
@@ -142,7 +147,7 @@ def order(call: Call) -> tuple[str, ...]:
     """
     if call.device == "cuda":
         return ("sdpa", "flash") if _sdpa_measured_first(call) else ("flash", "sdpa")
-    fused_kernel_takes_it = not (call.custom_mask or call.traced)
+    fused_kernel_takes_it = not (call.full_mask or call.traced)
     if call.device == "cpu" and call.entry == "diff_v1" and fused_kernel_takes_it:
         return ("fused", "sdpa")
     return ("sdpa",)

@@ -143,18 +143,23 @@ def tile_positions(rep: int) -> int:
     return max(1, TILE_ROWS // max(1, rep))
 
 
-def forward(q1s, q2s, k1, k2, v, lam: float, scale: float, rep: int, offset: int, key_padding):
+def forward(
+    q1s, q2s, k1, k2, v, lam: float, scale: float, rep: int, offset: int, key_padding, documents
+):
     """``(out, lse1, lse2)`` for grouped, contiguous fp32 queries ``(B, H_kv, N·rep, d)``,
     fp32 k ``(B, H_kv, S, d)`` and v ``(B, H_kv, S, dv)`` (any batch and head strides, rows of
-    contiguous features); key_padding ``(B, S)`` uint8 or ``None``. Call :func:`unavailable`
+    contiguous features); key_padding ``(B, S)`` uint8 or ``None``; documents ``(B, S)`` int64
+    (packed rows: a query reads its own document only) or ``None``. Call :func:`unavailable`
     first."""
     return torch.ops.diffattn_cpu.diff_v1_forward(
-        q1s, q2s, k1, k2, v, lam, scale, rep, offset, key_padding, tile_positions(rep)
+        q1s, q2s, k1, k2, v, lam, scale, rep, offset, key_padding, documents, tile_positions(rep)
     )
 
 
-def backward(tensors: tuple, lam: float, scale: float, rep: int, offset: int, key_padding):
+def backward(
+    tensors: tuple, lam: float, scale: float, rep: int, offset: int, key_padding, documents
+):
     """``[dq1s, dq2s, dk1, dk2, dv, dλ]`` for ``tensors = (dO rows, q1s, q2s, k1, k2, v, lse1,
     lse2)`` in the layouts of :func:`forward`; dλ is a 0-d fp64 tensor."""
     op = torch.ops.diffattn_cpu.diff_v1_backward
-    return op(*tensors, lam, scale, rep, offset, key_padding, tile_positions(rep))
+    return op(*tensors, lam, scale, rep, offset, key_padding, documents, tile_positions(rep))

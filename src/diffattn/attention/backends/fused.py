@@ -215,9 +215,9 @@ def _backward(grad, q1s, q2s, k1, k2, v, lam: float, scale: float, blocks: _Bloc
 
 def _compiled_kernel_for(q: torch.Tensor, mask: AttentionMask) -> bool:
     """Whether a call runs on the compiled CPU kernel (:mod:`~diffattn.attention.cpu_kernel`):
-    CPU tensors, the causal/padding mask rule (not a full custom mask, no packed documents),
+    CPU tensors, the causal/padding mask rule and packed documents (not a full custom mask),
     and the kernel built."""
-    if q.device.type != "cpu" or mask.custom or not USE_COMPILED:
+    if q.device.type != "cpu" or mask.allowed is not None or not USE_COMPILED:
         return False
     reason = cpu_kernel.unavailable()
     if reason is not None:
@@ -261,15 +261,16 @@ def _unrows(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _compiled_forward(q1, q2, k1f, k2f, vf, lam_value: float, mask: AttentionMask, scale):
-    """The compiled kernel's forward: ``(out in q1's dtype, lse1, lse2, key padding as
-    uint8 or None)``."""
+    """The compiled kernel's forward: ``(out in q1's dtype, lse1, lse2, (key padding as
+    uint8 or None, documents as int64 or None))``."""
     n_kv, n, rep = k1f.shape[1], q1.shape[2], q1.shape[1] // k1f.shape[1]
     padding = None if mask.key_padding is None else mask.key_padding.to(torch.uint8)
+    documents = None if mask.document_ids is None else mask.document_ids.to(torch.long)
     out, lse1, lse2 = cpu_kernel.forward(
         _rows_of(q1.float(), n_kv), _rows_of(q2.float(), n_kv),
-        k1f, k2f, vf, lam_value, scale, rep, int(mask.query_offset), padding,
+        k1f, k2f, vf, lam_value, scale, rep, int(mask.query_offset), padding, documents,
     )  # fmt: skip
-    return _unrows(out, n).to(q1.dtype), lse1, lse2, padding
+    return _unrows(out, n).to(q1.dtype), lse1, lse2, (padding, documents)
 
 
 class _FusedDiffV1(torch.autograd.Function):
@@ -307,7 +308,7 @@ class _FusedDiffV1(torch.autograd.Function):
             rows = (_rows_of(t, n_kv) for t in (grad_out.float(), q1.float(), q2.float()))
             dq1, dq2, dk1, dk2, dv, dlam = cpu_kernel.backward(
                 (*rows, k1f, k2f, vf, *saved[5:]), ctx.lam_value, scale,
-                q1.shape[1] // n_kv, int(ctx.mask.query_offset), ctx.padding,
+                q1.shape[1] // n_kv, int(ctx.mask.query_offset), *ctx.padding,
             )  # fmt: skip
             dq1, dq2 = _unrows(dq1, n), _unrows(dq2, n)
         else:

@@ -8,8 +8,10 @@
 //   v       (B, Hkv, S, dv)
 //   out     (B, Hkv, N*rep, dv); lse1, lse2 (B, Hkv, N*rep): each map's log-sum-exp
 //   key_padding (B, S) uint8 (1 = real token) or an undefined tensor
+//   documents (B, S) int64 document of each key position (packed rows) or an undefined tensor
 // Query position i (row i*rep + r) may read key j iff j <= i + offset and (key j is real or
-// j == i + offset), the rule of diffattn.attention.mask.AttentionMask.
+// j == i + offset), and key j lies in the query's document (documents[i + offset]): the rule
+// of diffattn.attention.mask.AttentionMask.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -137,6 +139,7 @@ struct Problem {
   int64_t bsz, n_kv, n, rep, d, dv, s, offset, tile_positions;
   int64_t k1_sb, k1_sh, k2_sb, k2_sh, v_sb, v_sh;  // batch and head strides of the inputs
   const uint8_t* padding;  // (B, S) or nullptr
+  const int64_t* documents;  // (B, S) document of each key position, or nullptr
   int64_t rows() const { return n * rep; }
   // Offsets of one (batch, KV head) in k1, k2, v (strided: views of a cache are taken as
   // they are) and in the contiguous gradient buffers.
@@ -148,7 +151,8 @@ struct Problem {
 
 Problem make_problem(const at::Tensor& q1, const at::Tensor& k1, const at::Tensor& k2,
                      const at::Tensor& v, int64_t rep, int64_t offset,
-                     const at::Tensor& padding, int64_t tile_positions) {
+                     const at::Tensor& padding, const at::Tensor& documents,
+                     int64_t tile_positions) {
   TORCH_CHECK(q1.dim() == 4 && k1.dim() == 4 && v.dim() == 4, "diff_v1_cpu: 4-d tensors expected");
   Problem p{};
   p.bsz = k1.size(0);
@@ -175,6 +179,13 @@ Problem make_problem(const at::Tensor& q1, const at::Tensor& k1, const at::Tenso
                 "), got ", padding.sizes());
   }
   p.padding = padding.defined() ? padding.data_ptr<uint8_t>() : nullptr;
+  if (documents.defined()) {
+    TORCH_CHECK(documents.scalar_type() == at::kLong && documents.dim() == 2 &&
+                    documents.size(0) == p.bsz && documents.size(1) == p.s,
+                "diff_v1_cpu: documents must be int64 of shape (B, S) = (", p.bsz, ", ", p.s,
+                "), got ", documents.sizes());
+  }
+  p.documents = documents.defined() ? documents.data_ptr<int64_t>() : nullptr;
   return p;
 }
 
@@ -218,6 +229,15 @@ void mask_padding(float* row, const uint8_t* real, int64_t diag) {
   }
 }
 
+// Mask the keys of other documents in one score row in place: keys j < diag whose document
+// differs from the query's (the document of key position diag) get -inf.
+void mask_documents(float* row, const int64_t* doc, int64_t diag) {
+  const int64_t own = doc[diag];
+  for (int64_t j = 0; j < diag; ++j) {
+    if (doc[j] != own) row[j] = kNegInf;
+  }
+}
+
 void forward_task(const Problem& p, const Task& t, const float* q1, const float* q2,
                   const float* k1, const float* k2, const float* v, float lam, float scale,
                   float* out,
@@ -245,6 +265,7 @@ void forward_task(const Problem& p, const Task& t, const float* q1, const float*
     gemm(false, true, m, e, d, scale, q2 + qo, d, k2b, d, 0.f, buf2, e);
   }
   const uint8_t* real = p.padding ? p.padding + (t.bg / p.n_kv) * p.s : nullptr;
+  const int64_t* docs = p.documents ? p.documents + (t.bg / p.n_kv) * p.s : nullptr;
   for (int r = 0; r < m; ++r) {
     const int64_t diag = p.last_key(t.pos_start + r / p.rep);
     const int len = static_cast<int>(diag + 1);
@@ -253,6 +274,10 @@ void forward_task(const Problem& p, const Task& t, const float* q1, const float*
     if (real) {
       mask_padding(s1, real, diag);
       mask_padding(s2, real, diag);
+    }
+    if (docs) {
+      mask_documents(s1, docs, diag);
+      mask_documents(s2, docs, diag);
     }
     const float max1 = row_max(s1, len), max2 = row_max(s2, len);
     const double sum1 = exp_inplace(s1, len, max1), sum2 = exp_inplace(s2, len, max2);
@@ -286,8 +311,10 @@ void forward_task(const Problem& p, const Task& t, const float* q1, const float*
 }
 
 // P_a = exp(S_a - lse_a) on one row's allowed keys, zero beyond.
-void probs_row(float* s, int len, int e, float lse, const uint8_t* real, int64_t diag) {
+void probs_row(float* s, int len, int e, float lse, const uint8_t* real, const int64_t* docs,
+               int64_t diag) {
   if (real) mask_padding(s, real, diag);
+  if (docs) mask_documents(s, docs, diag);
   exp_inplace(s, len, lse);
   std::fill(s + len, s + e, 0.f);
 }
@@ -310,6 +337,7 @@ void backward_task(const Problem& p, const Task& t, const float* q1, const float
   gemm(false, true, m, e, d, scale, q2 + qo, d, k2b, d, 0.f, buf2, e);
   gemm(false, true, m, e, dv, 1.f, grad + go, dv, v + p.v_at(t.bg), dv, 0.f, buf3, e);  // dP
   const uint8_t* real = p.padding ? p.padding + (t.bg / p.n_kv) * p.s : nullptr;
+  const int64_t* docs = p.documents ? p.documents + (t.bg / p.n_kv) * p.s : nullptr;
   constexpr int W = Vec::size();
   const Vec vlam(lam);
   double r2_total = 0.0;
@@ -321,8 +349,8 @@ void backward_task(const Problem& p, const Task& t, const float* q1, const float
     float* p2 = buf2 + static_cast<int64_t>(r) * e;
     const float* dp = buf3 + static_cast<int64_t>(r) * e;
     float* pc = buf4 + static_cast<int64_t>(r) * e;
-    probs_row(p1, len, e, lse1[row], real, diag);
-    probs_row(p2, len, e, lse2[row], real, diag);
+    probs_row(p1, len, e, lse1[row], real, docs, diag);
+    probs_row(p2, len, e, lse2[row], real, docs, diag);
     const float r1s = static_cast<float>(row_dot(dp, p1, len));
     const double r2d = row_dot(dp, p2, len);
     const float r2s = static_cast<float>(r2d);
@@ -373,11 +401,13 @@ int64_t slot_count() { return std::max<int64_t>(1, at::get_num_threads()); }
 std::tuple<at::Tensor, at::Tensor, at::Tensor> diff_v1_forward(
     const at::Tensor& q1, const at::Tensor& q2, const at::Tensor& k1, const at::Tensor& k2,
     const at::Tensor& v, double lam, double scale, int64_t rep, int64_t offset,
-    const std::optional<at::Tensor>& key_padding, int64_t tile_positions) {
+    const std::optional<at::Tensor>& key_padding, const std::optional<at::Tensor>& documents,
+    int64_t tile_positions) {
   check_inputs({&q1, &q2});
   check_keys({&k1, &k2, &v});
   const at::Tensor padding = key_padding.has_value() ? key_padding->contiguous() : at::Tensor();
-  const Problem p = make_problem(q1, k1, k2, v, rep, offset, padding, tile_positions);
+  const at::Tensor docs = documents.has_value() ? documents->contiguous() : at::Tensor();
+  const Problem p = make_problem(q1, k1, k2, v, rep, offset, padding, docs, tile_positions);
   at::Tensor out = at::empty({p.bsz, p.n_kv, p.rows(), p.dv}, q1.options());
   at::Tensor lse1 = at::empty({p.bsz, p.n_kv, p.rows()}, q1.options());
   at::Tensor lse2 = at::empty_like(lse1);
@@ -401,11 +431,13 @@ std::vector<at::Tensor> diff_v1_backward(
     const at::Tensor& grad, const at::Tensor& q1, const at::Tensor& q2, const at::Tensor& k1,
     const at::Tensor& k2, const at::Tensor& v, const at::Tensor& lse1, const at::Tensor& lse2,
     double lam, double scale, int64_t rep, int64_t offset,
-    const std::optional<at::Tensor>& key_padding, int64_t tile_positions) {
+    const std::optional<at::Tensor>& key_padding, const std::optional<at::Tensor>& documents,
+    int64_t tile_positions) {
   check_inputs({&grad, &q1, &q2, &lse1, &lse2});
   check_keys({&k1, &k2, &v});
   const at::Tensor padding = key_padding.has_value() ? key_padding->contiguous() : at::Tensor();
-  const Problem p = make_problem(q1, k1, k2, v, rep, offset, padding, tile_positions);
+  const at::Tensor docs = documents.has_value() ? documents->contiguous() : at::Tensor();
+  const Problem p = make_problem(q1, k1, k2, v, rep, offset, padding, docs, tile_positions);
   const auto parts = schedule(p, slot_count());
   const int64_t slots = static_cast<int64_t>(parts.size());
   at::Tensor dq1 = at::empty_like(q1), dq2 = at::empty_like(q2);
@@ -442,12 +474,13 @@ std::vector<at::Tensor> diff_v1_backward(
 TORCH_LIBRARY(diffattn_cpu, m) {
   m.def(
       "diff_v1_forward(Tensor q1, Tensor q2, Tensor k1, Tensor k2, Tensor v, float lam, "
-      "float scale, int rep, int offset, Tensor? key_padding, int tile_positions) -> "
+      "float scale, int rep, int offset, Tensor? key_padding, Tensor? documents, "
+      "int tile_positions) -> "
       "(Tensor, Tensor, Tensor)");
   m.def(
       "diff_v1_backward(Tensor grad, Tensor q1, Tensor q2, Tensor k1, Tensor k2, Tensor v, "
       "Tensor lse1, Tensor lse2, float lam, float scale, int rep, int offset, "
-      "Tensor? key_padding, int tile_positions) -> Tensor[]");
+      "Tensor? key_padding, Tensor? documents, int tile_positions) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(diffattn_cpu, CPU, m) {
