@@ -42,6 +42,7 @@ def _run_cases(interpret: bool, *selection: str, autotune: bool = True, dq: str 
         "matches_reference and 129",
         "every_head_width",
         "model or synchronisation or compiled or opcheck or bad_lambda or wrong_shape",
+        "packed_documents",
     ],
 )
 def test_triton_kernels_under_the_interpreter(selection):

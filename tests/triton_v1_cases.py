@@ -47,7 +47,10 @@ def _mask(key_padding, offset=0):
 def _reference_mask(mask: AttentionMask) -> AttentionMask:
     kp = None if mask.key_padding is None else mask.key_padding.cpu()
     offset = mask.query_offset
-    return AttentionMask(kp, offset.cpu() if isinstance(offset, torch.Tensor) else offset)
+    docs = None if mask.document_ids is None else mask.document_ids.cpu()
+    return AttentionMask(
+        kp, offset.cpu() if isinstance(offset, torch.Tensor) else offset, document_ids=docs
+    )
 
 
 def _outputs_and_grads(inputs, mask, weight, backend):
@@ -203,6 +206,23 @@ def test_compiled_graph_holds_the_op_not_n_by_n_maps():
     torch.compile(attend, fullgraph=True, backend=capture)(inputs, _mask(None))
     code = graphs[0].code
     assert "triton_diff_v1_forward" in code and "softmax" not in code
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "holes"])
+@pytest.mark.parametrize("gqa", [1, 2])
+def test_packed_documents_match_reference(gqa, padding):
+    """Documents packed in a row (``document_ids``): the kernels read them as key segments, in
+    forward and both backward kernels; documents of 1, 7, 20 and 5 tokens, two layouts."""
+    lengths = [1, 7, 20, 5]
+    n = sum(lengths)
+    documents = torch.cat([torch.full((k,), i) for i, k in enumerate(lengths)])
+    documents = torch.stack([documents, 3 - documents.flip(0)]).to(DEVICE)
+    padding_mask = _padding(padding, 2, n)
+    mask = AttentionMask(
+        key_padding=None if padding_mask is None else padding_mask.to(DEVICE),
+        document_ids=documents,
+    )
+    _assert_matches_reference(_inputs(2, 2 * gqa, 2, n, n), mask)
 
 
 def test_custom_ops_pass_opcheck():

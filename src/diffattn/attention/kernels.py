@@ -74,7 +74,8 @@ def _backend_for(name: str, entry: str, tensors: tuple, k: torch.Tensor, mask: A
         call = auto.Call.of(entry, tensors, mask)
         return get_backend(auto.choose(call, tensors[0], k, mask))
     chosen = get_backend(resolve_backend(name, tensors[0]))
-    if mask.custom and not chosen.custom_masks:
+    takes_it = chosen.custom_masks or (mask.allowed is None and chosen.document_masks)
+    if mask.custom and not takes_it:
         log_once(
             chosen.name,
             "custom_masks",

@@ -71,6 +71,9 @@ class Backend:
     """Whether the kernels take a full 4-D mask (``AttentionMask.allowed``) and documents packed
     in a row (``AttentionMask.document_ids``), through ``AttentionMask.dense``; calls with
     either go to ``sdpa`` otherwise."""
+    document_masks: bool = False
+    """Whether the kernels take packed documents (``AttentionMask.document_ids``) though not
+    full 4-D masks; ``custom_masks`` implies it."""
     ready: Callable[[torch.Tensor], str | None] | None = None
     accepts: Callable[[torch.Tensor, torch.Tensor, object], str | None] | None = None
 

@@ -50,7 +50,9 @@ def triton_diff_v1(
         return differential_rows(q1, q2, k1, k2, v, lam, mask, scale)
     from diffattn.attention.triton_diff_v1.op import diff_v1_attention
 
-    return diff_v1_attention(q1, q2, k1, k2, v, lam, mask.key_padding, mask.query_offset, scale)
+    return diff_v1_attention(
+        q1, q2, k1, k2, v, lam, mask.key_padding, mask.query_offset, scale, mask.document_ids
+    )
 
 
 register_backend(
@@ -61,6 +63,7 @@ register_backend(
         diff_v2=compose_v2(sdpa_attention),
         unusable=_unusable,
         custom_masks=False,
+        document_masks=True,
         description="DIFF V1 Triton kernels (CUDA fp32/fp16/bf16), QKᵀ at width d, K/V tiles "
         "loaded once for both maps; baseline and DIFF V2 on sdpa",
     )

@@ -30,9 +30,9 @@ AUTOTUNE_SWITCH = "DIFFATTN_TRITON_AUTOTUNE"
 correctness runs on a GPU: each new key otherwise compiles and times every candidate)."""
 DQ_SWITCH = "DIFFATTN_TRITON_DQ"
 """``kernel`` (default) or ``atomic``: how the backward computes dQ (:func:`dq_by_atomics`)."""
-AUTOTUNE_KEY = ["D", "DV", "HAS_PADDING", "q_class"]
-"""Autotuning is redone per head width, padding and query-count class (Triton adds the
-tensors' dtypes); ``q_class`` is the number of queries rounded up to a power of two, at most
+AUTOTUNE_KEY = ["D", "DV", "HAS_SEGMENTS", "q_class"]
+"""Autotuning is redone per head width, key segments (padding or packed documents) and
+query-count class (Triton adds the tensors' dtypes); ``q_class`` is the number of queries rounded up to a power of two, at most
 128, so decode steps (one query) and prefills tune apart but growing caches do not retune."""
 
 
@@ -129,14 +129,16 @@ def _autotuned(
 
 
 @triton.jit
-def _allowed(offs_m, offs_n, n_q, n_k, offset, kp_ptr, HAS_PADDING: tl.constexpr):
-    # mask.py's rule: j ≤ i + offset, and (both real or j = i + offset)
+def _allowed(offs_m, offs_n, n_q, n_k, offset, seg_ptr, HAS_SEGMENTS: tl.constexpr):
+    # mask.py's rule: j ≤ i + offset, and (query and key j in one segment or j = i + offset).
+    # Segments (B, S) int32: 0 for padding, one positive value per document (1 for every real
+    # token of a row that packs one document), so "one segment" is "both real, same document".
     q_pos = offs_m + offset
     ok = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < n_k) & (offs_m[:, None] < n_q)
-    if HAS_PADDING:
-        real = tl.load(kp_ptr + offs_n, mask=offs_n < n_k, other=0) != 0
-        real_q = tl.load(kp_ptr + q_pos, mask=offs_m < n_q, other=0) != 0
-        pair = real[None, :] & real_q[:, None]
+    if HAS_SEGMENTS:
+        seg_k = tl.load(seg_ptr + offs_n, mask=offs_n < n_k, other=0)
+        seg_q = tl.load(seg_ptr + q_pos, mask=offs_m < n_q, other=0)
+        pair = (seg_k[None, :] == seg_q[:, None]) & (seg_q[:, None] != 0)
         ok = ok & (pair | (offs_n[None, :] == q_pos[:, None]))
     return ok
 
@@ -202,10 +204,10 @@ def _query_block(
 
 @triton.jit
 def _fwd_step(
-    start_n, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, kp,
+    start_n, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, seg,
     offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     # One key tile of both online softmaxes (base 2: scores carry the factor log2 e).
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -215,7 +217,7 @@ def _fwd_step(
     s1 = tl.dot(q1, tl.trans(k1), input_precision=PRECISION) * qk_scale
     s2 = tl.dot(q2, tl.trans(k2), input_precision=PRECISION) * qk_scale
     if MASKED:
-        ok = _allowed(offs_m, offs_n, n_q, n_k, offset, kp, HAS_PADDING)
+        ok = _allowed(offs_m, offs_n, n_q, n_k, offset, seg, HAS_SEGMENTS)
         s1 = tl.where(ok, s1, float("-inf"))
         s2 = tl.where(ok, s2, float("-inf"))
     new1 = tl.maximum(m1, tl.max(s1, 1))
@@ -235,27 +237,27 @@ def _fwd_step(
 
 @triton.jit
 def _fwd_loop(
-    lo, hi, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, kp,
+    lo, hi, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, seg,
     offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
     LOOP_AS_WHILE: tl.constexpr,
 ):  # fmt: skip
     if LOOP_AS_WHILE:
         start_n = lo
         while start_n < hi:
             acc1, acc2, m1, m2, l1, l2 = _fwd_step(
-                start_n, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, kp,
+                start_n, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, seg,
                 offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
-                D, DV, BLOCK_N, MASKED, HAS_PADDING, PRECISION, DOT,
+                D, DV, BLOCK_N, MASKED, HAS_SEGMENTS, PRECISION, DOT,
             )  # fmt: skip
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             acc1, acc2, m1, m2, l1, l2 = _fwd_step(
-                start_n, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, kp,
+                start_n, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, seg,
                 offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
-                D, DV, BLOCK_N, MASKED, HAS_PADDING, PRECISION, DOT,
+                D, DV, BLOCK_N, MASKED, HAS_SEGMENTS, PRECISION, DOT,
             )  # fmt: skip
     return acc1, acc2, m1, m2, l1, l2
 
@@ -273,12 +275,12 @@ def _key_bounds(pid_m, n_k, offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 @_autotuned(configs.FORWARD, configs.CANDIDATES)
 @triton.jit(do_not_specialize=["offset"])
 def _diff_v1_fwd(
-    q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, lam_ptr, kp_ptr, offset_ptr,
+    q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, lam_ptr, seg_ptr, offset_ptr,
     o_ptr, o2_ptr, l1_ptr, l2_ptr,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
     scale, n_q, n_k, offset, q_class,
     H: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_PADDING: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
     LOOP_AS_WHILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -296,17 +298,17 @@ def _diff_v1_fwd(
     l2 = tl.zeros([BLOCK_M], tl.float32)
     acc1 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    kp = kp_ptr + b * n_k
+    seg = seg_ptr + b * n_k
     full, hi = _key_bounds(pid_m, n_k, offset, BLOCK_M, BLOCK_N)
     acc1, acc2, m1, m2, l1, l2 = _fwd_loop(
-        0, full, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, kp,
+        0, full, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, seg,
         offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
-        D, DV, BLOCK_N, HAS_PADDING, HAS_PADDING, PRECISION, DOT, LOOP_AS_WHILE,
+        D, DV, BLOCK_N, HAS_SEGMENTS, HAS_SEGMENTS, PRECISION, DOT, LOOP_AS_WHILE,
     )  # fmt: skip
     acc1, acc2, m1, m2, l1, l2 = _fwd_loop(
-        full, hi, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, kp,
+        full, hi, q1, q2, acc1, acc2, m1, m2, l1, l2, k1_ptr, k2_ptr, v_ptr, skn, svn, seg,
         offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
-        D, DV, BLOCK_N, True, HAS_PADDING, PRECISION, DOT, LOOP_AS_WHILE,
+        D, DV, BLOCK_N, True, HAS_SEGMENTS, PRECISION, DOT, LOOP_AS_WHILE,
     )  # fmt: skip
     l1 = tl.where(l1 == 0.0, 1.0, l1)
     l2 = tl.where(l2 == 0.0, 1.0, l2)
@@ -320,9 +322,9 @@ def _diff_v1_fwd(
 
 @triton.jit
 def _probs_and_dp(
-    q1, q2, k1, k2, v, do, row, offs_m, offs_n, n_q, n_k, offset, kp, qk_scale,
+    q1, q2, k1, k2, v, do, row, offs_m, offs_n, n_q, n_k, offset, seg, qk_scale,
     l1_ptr, l2_ptr, r1_ptr, r2_ptr,
-    MASKED: tl.constexpr, HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # The recomputed maps of one (query block, key block) tile, dS1 and dS2 / (−λ), both
     # per unit of the scaled scores.
@@ -336,7 +338,7 @@ def _probs_and_dp(
     p1 = tl.exp2(s1 - lse1[:, None])
     p2 = tl.exp2(s2 - lse2[:, None])
     if MASKED:
-        ok = _allowed(offs_m, offs_n, n_q, n_k, offset, kp, HAS_PADDING)
+        ok = _allowed(offs_m, offs_n, n_q, n_k, offset, seg, HAS_SEGMENTS)
         p1 = tl.where(ok, p1, 0.0)
         p2 = tl.where(ok, p2, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -348,10 +350,10 @@ def _probs_and_dp(
 @triton.jit
 def _kv_step(
     start_m, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr, sqn, son,
-    l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k, offset, qk_scale,
+    l1_ptr, l2_ptr, r1_ptr, r2_ptr, seg, offs_n, offs_d, offs_v, n_q, n_k, offset, qk_scale,
     dq1_ptr, dq2_ptr, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-    HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
 ):  # fmt: skip
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -359,8 +361,8 @@ def _kv_step(
     q2 = _tile(q2_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
     do = _tile(do_ptr, offs_m, n_q, son, offs_v, DV, DOT)
     p1, p2, ds1, ds2 = _probs_and_dp(
-        q1, q2, k1, k2, v, do, bh * n_q + offs_m, offs_m, offs_n, n_q, n_k, offset, kp,
-        qk_scale, l1_ptr, l2_ptr, r1_ptr, r2_ptr, MASKED, HAS_PADDING, PRECISION,
+        q1, q2, k1, k2, v, do, bh * n_q + offs_m, offs_m, offs_n, n_q, n_k, offset, seg,
+        qk_scale, l1_ptr, l2_ptr, r1_ptr, r2_ptr, MASKED, HAS_SEGMENTS, PRECISION,
     )  # fmt: skip
     p = (p1 - lam * p2).to(DOT)
     dv += tl.dot(tl.trans(p), do, input_precision=PRECISION)
@@ -379,10 +381,10 @@ def _kv_step(
 @triton.jit
 def _kv_loop(
     lo, hi, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr, sqn, son,
-    l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k, offset, qk_scale,
+    l1_ptr, l2_ptr, r1_ptr, r2_ptr, seg, offs_n, offs_d, offs_v, n_q, n_k, offset, qk_scale,
     dq1_ptr, dq2_ptr, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-    HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
     DQ_ATOMIC: tl.constexpr, LOOP_AS_WHILE: tl.constexpr,
 ):  # fmt: skip
     if LOOP_AS_WHILE:
@@ -390,18 +392,18 @@ def _kv_loop(
         while start_m < hi:
             dk1, dk2, dv = _kv_step(
                 start_m, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr, sqn, son,
-                l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k, offset,
+                l1_ptr, l2_ptr, r1_ptr, r2_ptr, seg, offs_n, offs_d, offs_v, n_q, n_k, offset,
                 qk_scale, dq1_ptr, dq2_ptr, scale,
-                D, DV, BLOCK_M, MASKED, HAS_PADDING, PRECISION, DOT, DQ_ATOMIC,
+                D, DV, BLOCK_M, MASKED, HAS_SEGMENTS, PRECISION, DOT, DQ_ATOMIC,
             )  # fmt: skip
             start_m += BLOCK_M
     else:
         for start_m in range(lo, hi, BLOCK_M):
             dk1, dk2, dv = _kv_step(
                 start_m, bh, k1, k2, v, dk1, dk2, dv, lam, q1_ptr, q2_ptr, do_ptr, sqn, son,
-                l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k, offset,
+                l1_ptr, l2_ptr, r1_ptr, r2_ptr, seg, offs_n, offs_d, offs_v, n_q, n_k, offset,
                 qk_scale, dq1_ptr, dq2_ptr, scale,
-                D, DV, BLOCK_M, MASKED, HAS_PADDING, PRECISION, DOT, DQ_ATOMIC,
+                D, DV, BLOCK_M, MASKED, HAS_SEGMENTS, PRECISION, DOT, DQ_ATOMIC,
             )  # fmt: skip
     return dk1, dk2, dv
 
@@ -409,12 +411,12 @@ def _kv_loop(
 @_autotuned(configs.BACKWARD_KV, configs.BACKWARD_KV_CANDIDATES, ("dq1_ptr", "dq2_ptr"))
 @triton.jit(do_not_specialize=["offset"])
 def _diff_v1_bwd_kv(
-    q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, lam_ptr, kp_ptr, offset_ptr,
+    q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, lam_ptr, seg_ptr, offset_ptr,
     do_ptr, l1_ptr, l2_ptr, r1_ptr, r2_ptr, dk1_ptr, dk2_ptr, dv_ptr, dq1_ptr, dq2_ptr,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
     scale, n_q, n_k, offset, q_class,
     H: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_PADDING: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
     LOOP_AS_WHILE: tl.constexpr, DQ_ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -438,7 +440,7 @@ def _diff_v1_bwd_kv(
     dk1 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dk2 = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    kp = kp_ptr + b * n_k
+    seg = seg_ptr + b * n_k
     # Query blocks [lo, full) see part of this key block (masked); [full, n_q) all of it.
     lo = (tl.maximum(pid_n * BLOCK_N - offset, 0) // BLOCK_M) * BLOCK_M
     full = tl.cdiv(tl.maximum((pid_n + 1) * BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M
@@ -451,15 +453,15 @@ def _diff_v1_bwd_kv(
         do_head = do_ptr + b * sob + h * soh
         dk1, dk2, dv = _kv_loop(
             lo, tl.minimum(full, n_q), bh, k1, k2, v, dk1, dk2, dv, lam, q1_head, q2_head,
-            do_head, sqn, son, l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k,
-            offset, qk_scale, dq1_ptr, dq2_ptr, scale,
-            D, DV, BLOCK_M, True, HAS_PADDING, PRECISION, DOT, DQ_ATOMIC, LOOP_AS_WHILE,
+            do_head, sqn, son, l1_ptr, l2_ptr, r1_ptr, r2_ptr, seg, offs_n, offs_d, offs_v,
+            n_q, n_k, offset, qk_scale, dq1_ptr, dq2_ptr, scale,
+            D, DV, BLOCK_M, True, HAS_SEGMENTS, PRECISION, DOT, DQ_ATOMIC, LOOP_AS_WHILE,
         )  # fmt: skip
         dk1, dk2, dv = _kv_loop(
             full, n_q, bh, k1, k2, v, dk1, dk2, dv, lam, q1_head, q2_head,
-            do_head, sqn, son, l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_n, offs_d, offs_v, n_q, n_k,
-            offset, qk_scale, dq1_ptr, dq2_ptr, scale,
-            D, DV, BLOCK_M, HAS_PADDING, HAS_PADDING, PRECISION, DOT, DQ_ATOMIC, LOOP_AS_WHILE,
+            do_head, sqn, son, l1_ptr, l2_ptr, r1_ptr, r2_ptr, seg, offs_n, offs_d, offs_v,
+            n_q, n_k, offset, qk_scale, dq1_ptr, dq2_ptr, scale,
+            D, DV, BLOCK_M, HAS_SEGMENTS, HAS_SEGMENTS, PRECISION, DOT, DQ_ATOMIC, LOOP_AS_WHILE,
         )  # fmt: skip
     _store_tile(dk1_ptr, kv, offs_n, n_k, offs_d, D, dk1 * scale)
     _store_tile(dk2_ptr, kv, offs_n, n_k, offs_d, D, dk2 * (-lam * scale))
@@ -469,17 +471,17 @@ def _diff_v1_bwd_kv(
 @triton.jit
 def _q_step(
     start_n, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, skn, svn, row,
-    l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
+    l1_ptr, l2_ptr, r1_ptr, r2_ptr, seg, offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k1 = _tile(k1_ptr, offs_n, n_k, skn, offs_d, D, DOT)
     k2 = _tile(k2_ptr, offs_n, n_k, skn, offs_d, D, DOT)
     v = _tile(v_ptr, offs_n, n_k, svn, offs_v, DV, DOT)
     _, _, ds1, ds2 = _probs_and_dp(
-        q1, q2, k1, k2, v, do, row, offs_m, offs_n, n_q, n_k, offset, kp, qk_scale,
-        l1_ptr, l2_ptr, r1_ptr, r2_ptr, MASKED, HAS_PADDING, PRECISION,
+        q1, q2, k1, k2, v, do, row, offs_m, offs_n, n_q, n_k, offset, seg, qk_scale,
+        l1_ptr, l2_ptr, r1_ptr, r2_ptr, MASKED, HAS_SEGMENTS, PRECISION,
     )  # fmt: skip
     dq1 += tl.dot(ds1.to(DOT), k1, input_precision=PRECISION)
     dq2 += tl.dot(ds2.to(DOT), k2, input_precision=PRECISION)
@@ -489,9 +491,9 @@ def _q_step(
 @triton.jit
 def _q_loop(
     lo, hi, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, skn, svn, row,
-    l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
+    l1_ptr, l2_ptr, r1_ptr, r2_ptr, seg, offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    HAS_PADDING: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
     LOOP_AS_WHILE: tl.constexpr,
 ):  # fmt: skip
     if LOOP_AS_WHILE:
@@ -499,16 +501,16 @@ def _q_loop(
         while start_n < hi:
             dq1, dq2 = _q_step(
                 start_n, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, skn, svn, row,
-                l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_m, offs_d, offs_v, n_q, n_k, offset,
-                qk_scale, D, DV, BLOCK_N, MASKED, HAS_PADDING, PRECISION, DOT,
+                l1_ptr, l2_ptr, r1_ptr, r2_ptr, seg, offs_m, offs_d, offs_v, n_q, n_k, offset,
+                qk_scale, D, DV, BLOCK_N, MASKED, HAS_SEGMENTS, PRECISION, DOT,
             )  # fmt: skip
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             dq1, dq2 = _q_step(
                 start_n, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, skn, svn, row,
-                l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_m, offs_d, offs_v, n_q, n_k, offset,
-                qk_scale, D, DV, BLOCK_N, MASKED, HAS_PADDING, PRECISION, DOT,
+                l1_ptr, l2_ptr, r1_ptr, r2_ptr, seg, offs_m, offs_d, offs_v, n_q, n_k, offset,
+                qk_scale, D, DV, BLOCK_N, MASKED, HAS_SEGMENTS, PRECISION, DOT,
             )  # fmt: skip
     return dq1, dq2
 
@@ -516,12 +518,12 @@ def _q_loop(
 @_autotuned(configs.BACKWARD_Q, configs.CANDIDATES)
 @triton.jit(do_not_specialize=["offset"])
 def _diff_v1_bwd_q(
-    q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, lam_ptr, kp_ptr, offset_ptr,
+    q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, lam_ptr, seg_ptr, offset_ptr,
     do_ptr, l1_ptr, l2_ptr, r1_ptr, r2_ptr, dq1_ptr, dq2_ptr,
     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
     scale, n_q, n_k, offset, q_class,
     H: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_PADDING: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SEGMENTS: tl.constexpr,
     OFFSET_IN_MEMORY: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
     LOOP_AS_WHILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -536,18 +538,18 @@ def _diff_v1_bwd_q(
     do = _tile(do_ptr + b * sob + h * soh, offs_m, n_q, son, offs_v, DV, DOT)
     dq1 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dq2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    kp = kp_ptr + b * n_k
+    seg = seg_ptr + b * n_k
     row = pid_bh * n_q + offs_m
     full, hi = _key_bounds(pid_m, n_k, offset, BLOCK_M, BLOCK_N)
     dq1, dq2 = _q_loop(
         0, full, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, skn, svn, row,
-        l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
-        D, DV, BLOCK_N, HAS_PADDING, HAS_PADDING, PRECISION, DOT, LOOP_AS_WHILE,
+        l1_ptr, l2_ptr, r1_ptr, r2_ptr, seg, offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
+        D, DV, BLOCK_N, HAS_SEGMENTS, HAS_SEGMENTS, PRECISION, DOT, LOOP_AS_WHILE,
     )  # fmt: skip
     dq1, dq2 = _q_loop(
         full, hi, q1, q2, do, dq1, dq2, k1_ptr, k2_ptr, v_ptr, skn, svn, row,
-        l1_ptr, l2_ptr, r1_ptr, r2_ptr, kp, offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
-        D, DV, BLOCK_N, True, HAS_PADDING, PRECISION, DOT, LOOP_AS_WHILE,
+        l1_ptr, l2_ptr, r1_ptr, r2_ptr, seg, offs_m, offs_d, offs_v, n_q, n_k, offset, qk_scale,
+        D, DV, BLOCK_N, True, HAS_SEGMENTS, PRECISION, DOT, LOOP_AS_WHILE,
     )  # fmt: skip
     _store_tile(dq1_ptr, pid_bh, offs_m, n_q, offs_d, D, dq1 * scale)
     _store_tile(dq2_ptr, pid_bh, offs_m, n_q, offs_d, D, dq2 * (-lam * scale))
@@ -557,7 +559,7 @@ def _launch_constants(
     q1: torch.Tensor,
     k1: torch.Tensor,
     v: torch.Tensor,
-    key_padding: torch.Tensor | None,
+    key_segments: torch.Tensor | None,
     query_offset: torch.Tensor | None,
 ) -> dict:
     d, dv = q1.shape[-1], v.shape[-1]
@@ -570,7 +572,7 @@ def _launch_constants(
         DV=dv,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        HAS_PADDING=key_padding is not None,
+        HAS_SEGMENTS=key_segments is not None,
         OFFSET_IN_MEMORY=query_offset is not None,
         PRECISION="ieee" if dot == tl.float32 else "tf32",
         DOT=dot,
@@ -579,20 +581,20 @@ def _launch_constants(
 
 
 def _pointers(
-    like: torch.Tensor, key_padding: torch.Tensor | None, query_offset: torch.Tensor | None
+    like: torch.Tensor, key_segments: torch.Tensor | None, query_offset: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # Tensors for the padding and offset pointers; a one-element placeholder when unused.
-    kp = (
-        like.new_ones(1, dtype=torch.int8)
-        if key_padding is None
-        else key_padding.to(device=like.device, dtype=torch.int8).contiguous()
+    # Tensors for the segment and offset pointers; a one-element placeholder when unused.
+    seg = (
+        like.new_ones(1, dtype=torch.int32)
+        if key_segments is None
+        else key_segments.to(device=like.device, dtype=torch.int32).contiguous()
     )
     offset = (
         like.new_zeros(1, dtype=torch.int64)
         if query_offset is None
         else query_offset.to(device=like.device, dtype=torch.int64).reshape(1)
     )
-    return kp, offset
+    return seg, offset
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -634,7 +636,7 @@ def forward(
     k2: torch.Tensor,
     v: torch.Tensor,
     lam: torch.Tensor,
-    key_padding: torch.Tensor | None,
+    key_segments: torch.Tensor | None,
     query_offset: torch.Tensor | None,
     offset: int,
     scale: float,
@@ -648,7 +650,7 @@ def forward(
     v = _rows_contiguous(v)
     bsz, h, n, _ = q1.shape
     s = k1.shape[2]
-    kp, offset_tensor = _pointers(q1, key_padding, query_offset)
+    seg, offset_tensor = _pointers(q1, key_segments, query_offset)
     out = q1.new_empty(bsz, h, n, v.shape[-1])
     o2 = torch.empty_like(out)
     lse1 = q1.new_empty(bsz, h, n, dtype=torch.float32)
@@ -658,9 +660,9 @@ def forward(
         return (triton.cdiv(n, meta["BLOCK_M"]), bsz * h)
 
     _diff_v1_fwd[grid](
-        q1, q2, k1, k2, v, lam, kp, offset_tensor, out, o2, lse1, lse2,
+        q1, q2, k1, k2, v, lam, seg, offset_tensor, out, o2, lse1, lse2,
         *_strides(q1, k1, v, out), scale, n, s, offset, _query_class(n),
-        **_launch_constants(q1, k1, v, key_padding, query_offset),
+        **_launch_constants(q1, k1, v, key_segments, query_offset),
     )  # fmt: skip
     return out, o2, lse1, lse2
 
@@ -673,7 +675,7 @@ def backward(
     k2: torch.Tensor,
     v: torch.Tensor,
     lam: torch.Tensor,
-    key_padding: torch.Tensor | None,
+    key_segments: torch.Tensor | None,
     query_offset: torch.Tensor | None,
     offset: int,
     scale: float,
@@ -693,7 +695,7 @@ def backward(
     # preprocess (FlashAttention-2's delta, one per map): r_a = rowsum(dO ∘ O_a), O1 = O + λ·O2
     r2 = (do.float() * o2.float()).sum(-1)
     r1 = (do.float() * out.float()).sum(-1) + lam.float() * r2
-    kp, offset_tensor = _pointers(q1, key_padding, query_offset)
+    seg, offset_tensor = _pointers(q1, key_segments, query_offset)
     dq1, dq2, dk1, dk2, dv = (
         x.new_empty(x.shape)
         for x in (q1, q2, k1, k2, v)  # contiguous, as the kernels write
@@ -703,8 +705,8 @@ def backward(
     dq1_sum, dq2_sum = (
         q1.new_zeros(x.shape if atomic else (1,), dtype=torch.float32) for x in (q1, q2)
     )
-    constants = _launch_constants(q1, k1, v, key_padding, query_offset)
-    inputs = (q1, q2, k1, k2, v, lam, kp, offset_tensor, do, lse1, lse2, r1, r2)
+    constants = _launch_constants(q1, k1, v, key_segments, query_offset)
+    inputs = (q1, q2, k1, k2, v, lam, seg, offset_tensor, do, lse1, lse2, r1, r2)
     sizes = (*_strides(q1, k1, v, do), scale, n, s, offset, _query_class(n))
 
     def kv_grid(meta):

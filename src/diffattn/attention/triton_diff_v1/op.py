@@ -2,8 +2,8 @@
 call inside its graph: ``diffattn::triton_diff_v1_forward`` and
 ``diffattn::triton_diff_v1_backward`` (its own op), joined by ``register_autograd``, each with
 a fake (meta) implementation. The ops take CUDA tensors, and CPU tensors under
-``TRITON_INTERPRET=1``. λ, the padding and a tensor query offset are read on the device: no
-call synchronises the host with the GPU.
+``TRITON_INTERPRET=1``. λ, the key segments (padding and packed documents) and a tensor query
+offset are read on the device: no call synchronises the host with the GPU.
 """
 
 from typing import Optional
@@ -21,7 +21,7 @@ def triton_diff_v1_forward(
     k2: torch.Tensor,
     v: torch.Tensor,
     lam: torch.Tensor,
-    key_padding: Optional[torch.Tensor],  # noqa: UP045 (torch.library reads the annotation)
+    key_segments: Optional[torch.Tensor],  # noqa: UP045 (torch.library reads the annotation)
     query_offset: Optional[torch.Tensor],  # noqa: UP045
     offset: int,
     scale: float,
@@ -34,7 +34,7 @@ def triton_diff_v1_forward(
         k2,
         v,
         lam.contiguous(),
-        key_padding,
+        key_segments,
         query_offset,
         offset,
         scale,
@@ -42,7 +42,7 @@ def triton_diff_v1_forward(
 
 
 @triton_diff_v1_forward.register_fake
-def _forward_fake(q1, q2, k1, k2, v, lam, key_padding, query_offset, offset, scale):
+def _forward_fake(q1, q2, k1, k2, v, lam, key_segments, query_offset, offset, scale):
     bsz, h, n, _ = q1.shape
     out = q1.new_empty(bsz, h, n, v.shape[-1])
     lse = q1.new_empty(bsz, h, n, dtype=torch.float32)
@@ -58,7 +58,7 @@ def triton_diff_v1_backward(
     k2: torch.Tensor,
     v: torch.Tensor,
     lam: torch.Tensor,
-    key_padding: Optional[torch.Tensor],  # noqa: UP045
+    key_segments: Optional[torch.Tensor],  # noqa: UP045
     query_offset: Optional[torch.Tensor],  # noqa: UP045
     offset: int,
     scale: float,
@@ -73,7 +73,7 @@ def triton_diff_v1_backward(
         grad_out,
         *tensors[:5],
         lam.contiguous(),
-        key_padding,
+        key_segments,
         query_offset,
         offset,
         scale,
@@ -91,17 +91,17 @@ def _backward_fake(grad_out, q1, q2, k1, k2, v, lam, *_):
 
 
 def _setup_context(ctx, inputs, output):
-    q1, q2, k1, k2, v, lam, key_padding, query_offset, offset, scale = inputs
+    q1, q2, k1, k2, v, lam, key_segments, query_offset, offset, scale = inputs
     out, o2, lse1, lse2 = output
-    ctx.save_for_backward(q1, q2, k1, k2, v, lam, key_padding, query_offset, out, o2, lse1, lse2)
+    ctx.save_for_backward(q1, q2, k1, k2, v, lam, key_segments, query_offset, out, o2, lse1, lse2)
     ctx.offset, ctx.scale = offset, scale
     ctx.mark_non_differentiable(o2, lse1, lse2)
 
 
 def _backward(ctx, grad_out, _grad_o2, _grad_lse1, _grad_lse2):
-    q1, q2, k1, k2, v, lam, key_padding, query_offset, out, o2, lse1, lse2 = ctx.saved_tensors
+    q1, q2, k1, k2, v, lam, key_segments, query_offset, out, o2, lse1, lse2 = ctx.saved_tensors
     grads = triton_diff_v1_backward(
-        grad_out, q1, q2, k1, k2, v, lam, key_padding, query_offset, ctx.offset, ctx.scale,
+        grad_out, q1, q2, k1, k2, v, lam, key_segments, query_offset, ctx.offset, ctx.scale,
         out, o2, lse1, lse2,
     )  # fmt: skip
     return (*grads, None, None, None, None)
@@ -120,29 +120,49 @@ def diff_v1_attention(
     key_padding: torch.Tensor | None,
     query_offset: int | torch.Tensor,
     scale: float,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DIFF V1 Eq.1, ``(softmax(Q1K1ᵀ·s) − λ·softmax(Q2K2ᵀ·s))·V``, on the Triton kernels.
 
     q1, q2 ``(B, H, N, d)``; k1, k2 ``(B, Hkv, S, d)``; v ``(B, Hkv, S, 2d)``; λ one element
     (any shape, e.g. 0-d); ``key_padding`` ``(B, S)`` bool or ``None``; ``query_offset`` an
-    int or a 0-d integer tensor (read on the device). Differentiable in q1, q2, k1, k2, v, λ.
+    int or a 0-d integer tensor (read on the device); ``documents`` ``(B, S)`` integer document
+    of each key position (packed rows) or ``None``. Differentiable in q1, q2, k1, k2, v, λ.
     """
     _check(q1, q2, k1, k2, v, lam)
-    if key_padding is not None and tuple(key_padding.shape) != (q1.shape[0], k1.shape[2]):
-        raise ValueError(
-            f"triton DIFF V1 takes key_padding of shape (B, S) = {(q1.shape[0], k1.shape[2])}, "
-            f"got {tuple(key_padding.shape)}"
-        )
+    keys = (q1.shape[0], k1.shape[2])
+    for name, value in (("key_padding", key_padding), ("documents", documents)):
+        if value is not None and tuple(value.shape) != keys:
+            raise ValueError(
+                f"triton DIFF V1 takes {name} of shape (B, S) = {keys}, got {tuple(value.shape)}"
+            )
+    key_segments = segments(key_padding, documents)
     lam = lam.to(q1.device)
     if isinstance(query_offset, torch.Tensor):
         out, *_ = triton_diff_v1_forward(
-            q1, q2, k1, k2, v, lam, key_padding, query_offset, 0, scale
+            q1, q2, k1, k2, v, lam, key_segments, query_offset, 0, scale
         )
     else:
         out, *_ = triton_diff_v1_forward(
-            q1, q2, k1, k2, v, lam, key_padding, None, int(query_offset), scale
+            q1, q2, k1, k2, v, lam, key_segments, None, int(query_offset), scale
         )
     return out
+
+
+def segments(key_padding: torch.Tensor | None, documents: torch.Tensor | None):
+    """The kernels' key segments ``(B, S)`` int32: 0 for padding, ``document + 1`` (1 without
+    documents) for a real token; a query reads the keys of its own segment (and itself). A
+    document id below 0 is moved up with the rest, so every real token's segment is positive.
+    ``None`` when there is neither padding nor documents."""
+    if key_padding is None and documents is None:
+        return None
+    if documents is None:
+        return key_padding.to(torch.int32)
+    ids = documents.to(torch.int64)
+    ids = ids - ids.min() + 1
+    if key_padding is not None:
+        ids = ids * key_padding.to(torch.int64)
+    return ids.to(torch.int32)
 
 
 def _check(q1, q2, k1, k2, v, lam) -> None:
