@@ -136,3 +136,32 @@ def test_models_from_runs_with_different_splits_need_a_flag(checkpoint, tmp_path
     assert "the models' runs held out documents by different valid_fraction" in (
         capsys.readouterr().err
     )
+
+
+def test_a_training_run_stands_for_its_newest_checkpoint(checkpoint, tmp_path, capsys):
+    """``RUN`` and ``RUN@STEP`` as MODEL: eval (with the run's split), generate and the loader."""
+    from diffattn.loading import resolve_source, training_run_checkpoint
+
+    model, _ = checkpoint
+    run = model.parent.parent
+    assert training_run_checkpoint(run) == model
+    assert training_run_checkpoint(f"{run}@2") == model
+    assert resolve_source(run).kind == "diffattn" and resolve_source(run).path == model
+    with pytest.raises(ValueError, match=r"has no complete checkpoint of step 7 \(its steps: 2\)"):
+        training_run_checkpoint(f"{run}@7")
+    assert eval_loss(run, tmp_path / "out") == 0
+    record = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert record["settings"]["valid_fraction"] == FRACTION  # the run's split, through RUN
+    capsys.readouterr()
+    assert (
+        cli.main(["generate", f"{run}@2", "--prompt", "alpha beta", "--max-new-tokens", "3"]) == 0
+    )
+    assert capsys.readouterr().out.startswith("alpha beta")
+
+
+def test_a_run_without_checkpoints_is_one_clear_error(tmp_path):
+    from diffattn.loading import training_run_checkpoint
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ValueError, match="a training run with no complete checkpoint"):
+        training_run_checkpoint(tmp_path / "run")

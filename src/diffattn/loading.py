@@ -23,6 +23,10 @@ in eval mode, the tokenizer stored with it (``None`` when there is none) and a
               (:func:`diffattn.dex.load_adapter`)
 ============  ===============================================================================
 
+A ``diffattn train`` run directory stands for its newest complete checkpoint, and ``RUN@STEP``
+for the checkpoint of that step (:func:`training_run_checkpoint`); both are then read as the
+diffattn model directory the checkpoint is.
+
 Weights are read from safetensors only. Every error names the path and what was expected.
 ``torch``, ``transformers`` and the converters are imported only when a model is loaded.
 """
@@ -129,6 +133,39 @@ def download_from_hub(repo_id: str) -> Path:
         ) from error
 
 
+def training_run_checkpoint(spec: str | os.PathLike) -> Path | None:
+    """The checkpoint a ``diffattn train`` run stands for: ``RUN@STEP`` is that step's
+    checkpoint, ``RUN`` (a directory holding ``checkpoints/`` and no ``config.json``) its newest
+    complete one; ``None`` when ``spec`` names no run.
+
+    Raises:
+        CheckpointError: the run has no complete checkpoint, or none of that step (the error
+            lists the steps it has).
+    """
+    from diffattn.train.checkpoint import CHECKPOINTS_DIRNAME, list_checkpoints
+
+    text = str(spec)
+    run, at, step = text.rpartition("@")
+    if at and step.isdigit() and (Path(run).expanduser() / CHECKPOINTS_DIRNAME).is_dir():
+        found = dict(list_checkpoints(Path(run).expanduser() / CHECKPOINTS_DIRNAME))
+        if int(step) not in found:
+            steps = ", ".join(map(str, sorted(found))) or "none"
+            raise CheckpointError(
+                f"{text}: the run {run} has no complete checkpoint of step {int(step)} "
+                f"(its steps: {steps})"
+            )
+        return found[int(step)]
+    path = Path(text).expanduser()
+    if (path / CHECKPOINTS_DIRNAME).is_dir() and not (path / CONFIG_NAME).is_file():
+        found = list_checkpoints(path / CHECKPOINTS_DIRNAME)
+        if not found:
+            raise CheckpointError(
+                f"{path}: a training run with no complete checkpoint in {CHECKPOINTS_DIRNAME}/"
+            )
+        return found[-1][1]
+    return None
+
+
 def resolve_source(spec: str | os.PathLike, base: str | os.PathLike | None = None) -> ModelSource:
     """Classify ``spec`` without loading it (see the module docstring for the kinds).
 
@@ -137,7 +174,7 @@ def resolve_source(spec: str | os.PathLike, base: str | os.PathLike | None = Non
     ``ValueError``) naming the path and what was expected.
     """
     text = str(spec)
-    path = Path(text).expanduser()
+    path = training_run_checkpoint(text) or Path(text).expanduser()
     if not path.exists():
         if text.strip().lower() == SMOLLM2_ALIAS:
             from diffattn.convert.gguf import smollm2_path

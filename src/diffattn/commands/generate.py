@@ -38,7 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from diffattn.model import COMPILE_MODES
 
     parser.description = parser.description or DESCRIPTION
-    parser.add_argument("model_dir", metavar="MODEL_DIR", help="diffattn model directory")
+    parser.add_argument(
+        "model_dir",
+        metavar="MODEL_DIR",
+        help="diffattn model directory, a diffattn train run (its newest checkpoint) or RUN@STEP",
+    )
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument(
         "--tokenizer",
@@ -217,8 +221,10 @@ def run(args: argparse.Namespace) -> int:
 
     from diffattn.checkpoint import CheckpointError, load_model
     from diffattn.generation import GenerationConfig, generate
+    from diffattn.loading import training_run_checkpoint
 
-    model_dir = Path(args.model_dir)
+    # a training run (its newest checkpoint) or RUN@STEP stands for that checkpoint's directory
+    model_dir = training_run_checkpoint(args.model_dir) or Path(args.model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: model directory not found")
     device = _parse_device(args.device)

@@ -38,8 +38,11 @@ class RunSplit:
 
 
 def recipe_of(spec: str) -> Path | None:
-    """The training recipe stored with model ``spec`` (a checkpoint directory), or ``None``."""
-    path = Path(str(spec)).expanduser()
+    """The training recipe stored with model ``spec`` (a checkpoint directory, or a training
+    run or ``RUN@STEP`` standing for one), or ``None``."""
+    from diffattn.loading import training_run_checkpoint
+
+    path = training_run_checkpoint(spec) or Path(str(spec)).expanduser()
     recipe = path / TRAIN_CONFIG_NAME
     return recipe if recipe.is_file() else None
 

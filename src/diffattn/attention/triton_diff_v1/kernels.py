@@ -32,8 +32,9 @@ DQ_SWITCH = "DIFFATTN_TRITON_DQ"
 """``kernel`` (default) or ``atomic``: how the backward computes dQ (:func:`dq_by_atomics`)."""
 AUTOTUNE_KEY = ["D", "DV", "HAS_SEGMENTS", "q_class"]
 """Autotuning is redone per head width, key segments (padding or packed documents) and
-query-count class (Triton adds the tensors' dtypes); ``q_class`` is the number of queries rounded up to a power of two, at most
-128, so decode steps (one query) and prefills tune apart but growing caches do not retune."""
+query-count class (Triton adds the tensors' dtypes); ``q_class`` is the number of queries
+rounded up to a power of two, at most 128, so decode steps (one query) and prefills tune apart
+but growing caches do not retune."""
 
 
 @functools.cache
