@@ -61,7 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--top-p", type=float, default=None, help="nucleus sampling: keep probability mass P"
     )
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampling RNG")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="torch device, or auto (default: CUDA when available, else the CPU)",
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="default: float32")
     parser.add_argument(
         "--cache", choices=CACHE_KINDS, default="dynamic", help="KV cache kind (default: dynamic)"
@@ -206,6 +210,8 @@ class TextStreamer:
 def _parse_device(name: str):
     import torch
 
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError as error:

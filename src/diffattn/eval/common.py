@@ -330,7 +330,9 @@ def add_common_arguments(parser: Any) -> None:
     )
     parser.add_argument("--dex", metavar="ADAPTER", help="apply this Dex adapter to MODEL first")
     parser.add_argument("--out", help="output directory (default: runs/eval/<experiment>)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
+    parser.add_argument(
+        "--device", default="auto", help="cpu, cuda or auto (default: auto: CUDA when available)"
+    )
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
     parser.add_argument("--seed", type=int, default=0)
