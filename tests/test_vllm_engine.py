@@ -181,3 +181,42 @@ def test_a_dex_merged_llama_serves_as_the_dex_model_decodes(tmp_path):
                 ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
         expected = ids[0, len(prompt) :].tolist()
         assert list(output.outputs[0].token_ids) == expected, len(prompt)
+
+
+@pytest.mark.parametrize("attention", ["baseline", "diff_v1", "diff_v2"])
+def test_tensor_parallel_serving_equals_diffattn(attention, tmp_path, monkeypatch):
+    """Two tensor-parallel workers (vLLM's CPU workers, one core each): each holds half of the
+    KV groups (whole (K1, K2) pairs for DIFF V1); greedy tokens and prompt log-probabilities
+    equal diffattn's."""
+    from vllm import LLM, SamplingParams
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one NUMA node: bind by hand
+    model, directory = save_checkpoint(tmp_path, attention, n_kv_heads=4)
+    llm = LLM(
+        model=str(directory),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        block_size=BLOCK,
+        seed=0,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
+    try:
+        prompts = [prompt_ids(seed, n, VOCAB) for seed, n in enumerate(LENGTHS)]
+        outputs = vllm_greedy(llm, prompts)
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+        scored = llm.generate([{"prompt_token_ids": prompts[3]}], params, use_tqdm=False)[0]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert list(output.outputs[0].token_ids) == greedy(model, prompt, NEW_TOKENS), len(prompt)
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompts[3]])).logits[0].double(), -1)
+    worst = max(
+        abs(
+            scored.prompt_logprobs[t][prompts[3][t]].logprob - expected[t - 1, prompts[3][t]].item()
+        )
+        for t in range(1, len(prompts[3]))
+    )
+    assert worst < 1e-4, worst

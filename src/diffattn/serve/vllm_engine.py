@@ -61,9 +61,11 @@ def check_servable(options: ServeOptions) -> tuple[Path, str]:
         from diffattn.vllm_plugin import unservable_reason
 
         dtype = vllm_dtype(options, directory, source.kind)
-        reason = unservable_reason(read_config(directory), dtype)
+        config = read_config(directory)
+        reason = unservable_reason(config, dtype)
         if reason is not None:
             raise ValueError(reason)
+        check_tensor_parallel(config, options.engine_args)
         return directory, source.kind
     if source.model_type == "diffllama":
         raise ValueError(
@@ -111,6 +113,40 @@ def vllm_dtype(options: ServeOptions, directory: Path, kind: str) -> str:
     if options.dtype != "auto":
         return options.dtype
     return stored_dtype(directory) if kind == "diffattn" else "float32"
+
+
+def tensor_parallel_size(engine_args: tuple[str, ...]) -> int:
+    """The ``--tensor-parallel-size`` (``-tp``) in vLLM's options, 1 when absent."""
+    for index, arg in enumerate(engine_args):
+        name, equals, value = arg.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            text = (
+                value
+                if equals
+                else (engine_args[index + 1] if index + 1 < len(engine_args) else "")
+            )
+            try:
+                return int(text)
+            except ValueError:
+                raise ValueError(f"--vllm-args: {name} takes an integer, got {text!r}") from None
+    return 1
+
+
+def check_tensor_parallel(config, engine_args: tuple[str, ...]) -> None:
+    """A tensor-parallel size that splits a KV group (a DIFF V1 (K1, K2) pair) is one line
+    here, not an engine that fails while starting."""
+    from diffattn.vllm_plugin.layout import attention_layout
+
+    size = tensor_parallel_size(engine_args)
+    try:
+        attention_layout(config, size)
+    except ValueError as error:
+        raise ValueError(f"--vllm-args: {error}") from None
+    if config.attention == "diff_v2" and not config.v2_paired_heads and size > 1:
+        raise ValueError(
+            "--vllm-args: the unpaired DIFF V2 ablation (v2_paired_heads=False) cannot be split "
+            "by tensor parallelism; serve it with --tensor-parallel-size 1"
+        )
 
 
 def vllm_argv(options: ServeOptions, directory: Path | str, dtype: str) -> list[str]:
