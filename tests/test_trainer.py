@@ -6,6 +6,7 @@ train package."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 from pathlib import Path
@@ -123,6 +124,37 @@ def _assert_same_records(reference_dir: Path, distributed_dir: Path) -> None:
 
 
 @pytest.mark.extra("hf")
+def test_a_hugging_face_factory_checkpoint_loads_as_a_model(tmp_path, data_cache, capsys):
+    """A factory-trained HF model's checkpoint is its ``save_pretrained`` directory (with the
+    trainer's state beside it): ``from_pretrained``, ``diffattn eval`` and the loader read it,
+    with the trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    from diffattn import cli
+    from diffattn.loading import resolve_source
+
+    recipe = tiny_recipe(data_cache, steps=2, device="cpu")
+    trained = []
+
+    def factory():
+        trained.append(tiny_llama())
+        return trained[-1]
+
+    train(TrainConfig.from_dict(recipe), tmp_path / "run", progress=False, model_factory=factory)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
+    assert resolve_source(tmp_path / "run").path == checkpoint  # the run stands for it
+    assert resolve_source(checkpoint).kind == "hf"
+    loaded = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    ids = torch.randint(0, 512, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, trained[-1].eval()(ids).logits)
+    out = tmp_path / "eval"
+    args = ["eval", "loss", str(tmp_path / "run"), "--out", str(out), "--max-tokens", "500"]
+    assert cli.main([*args, "--quiet"]) == 0
+    assert json.loads((out / "results.json").read_text())["settings"]["seq_len"] == 32
+
+
+@pytest.mark.extra("hf")
 def test_factory_model_under_ddp_equals_one_process_and_resumes_alone(tmp_path, data_cache):
     recipe = tiny_recipe(data_cache, steps=4, eval_every=2, checkpoint_every=2, device="cpu")
     recipe["keep_last"] = None
@@ -165,9 +197,9 @@ def test_factory_model_under_fsdp2_equals_one_process(tmp_path, data_cache, fact
     )
     _two_ranks({**recipe, "parallel": "fsdp"}, tmp_path / "fsdp", factory)
     _assert_same_records(tmp_path / "single", tmp_path / "fsdp")
-    assert (
-        tmp_path / "fsdp" / "checkpoints" / "step-00000003" / "model_state.safetensors"
-    ).is_file()
+    # an HF model's checkpoint is its save_pretrained directory; any other keeps its state dict
+    weights = "model.safetensors" if factory is tiny_llama else "model_state.safetensors"
+    assert (tmp_path / "fsdp" / "checkpoints" / "step-00000003" / weights).is_file()
 
 
 @pytest.mark.extra("hf", "peft")

@@ -86,6 +86,8 @@ from diffattn.train.parallel import (
 
 CONFIG_COPY_NAME = "config.yaml"
 FACTORY_STATE_NAME = "model_state.safetensors"
+HF_WEIGHTS_NAME = "model.safetensors"
+"""A Hugging Face factory model's weights, named as ``save_pretrained`` names them."""
 FACTORY_MARKER_NAME = "factory.json"
 TOKENIZER_DIRNAME = "tokenizer"
 # ModelConfig fields in which an ``init_from`` model may differ from the run's model: they change
@@ -933,7 +935,7 @@ class Trainer:
             return _save_factory_checkpoint(
                 self.checkpoint_root,
                 self.step,
-                type(self.model).__name__,
+                self.model,
                 model_state,
                 trainer_state,
                 dump_config(config),
@@ -1156,10 +1158,32 @@ def _factory_model(factory: Callable[[], nn.Module], vocab: int) -> nn.Module:
     return model
 
 
+def _is_plain_hf_model(model: nn.Module, state: dict[str, torch.Tensor]) -> bool:
+    """Whether ``model`` is a Hugging Face causal LM whose state is exactly what
+    ``AutoModelForCausalLM.from_config(model.config)`` builds (built on the meta device), so
+    its ``save_pretrained`` form loads back whole."""
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(model, "save_pretrained", None)):
+        return False
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            fresh = AutoModelForCausalLM.from_config(config)
+    except Exception:  # not a causal LM transformers can build from its config
+        return False
+    return set(fresh.state_dict()) == set(state)
+
+
 def _read_factory_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The state a factory checkpoint saved: ``model_state.safetensors``, or an HF model's
+    ``model.safetensors`` (the marker names the file)."""
+    import json
+
     from safetensors.torch import load_file
 
-    return load_file(str(checkpoint / FACTORY_STATE_NAME))
+    marker = json.loads((checkpoint / FACTORY_MARKER_NAME).read_text())
+    return load_file(str(checkpoint / marker.get("weights", FACTORY_STATE_NAME)))
 
 
 def _load_factory_state(model: nn.Module, state: dict[str, torch.Tensor], checkpoint: Path) -> None:
@@ -1174,7 +1198,7 @@ def _load_factory_state(model: nn.Module, state: dict[str, torch.Tensor], checkp
 def _save_factory_checkpoint(
     root: Path,
     step: int,
-    model_class: str,
+    model: nn.Module,
     model_state: dict[str, torch.Tensor],
     trainer_state: dict[str, Any],
     config_yaml: str,
@@ -1183,16 +1207,35 @@ def _save_factory_checkpoint(
 ) -> Path:
     """A checkpoint of a ``model_factory`` run: the full state dict (parameters and
     persistent buffers, tied tensors stored once per name) as safetensors, the trainer state,
-    the config and the tokenizer files, written atomically like the preset runs'."""
+    the config and the tokenizer files, written atomically like the preset runs'.
+
+    A plain Hugging Face model (:func:`_is_plain_hf_model`) is written as its
+    ``save_pretrained`` directory instead (``config.json``, ``generation_config.json`` when it
+    has one, ``model.safetensors``), so ``from_pretrained``, ``diffattn eval``, ``serve`` and
+    the loaders read the checkpoint as any HF model; resume reads the same weights. A model
+    with tensors its config does not build (a Dex model's adapter) keeps the state-dict form,
+    which the loaders refuse rather than load without those tensors."""
     import json
 
     from safetensors.torch import save_file
 
     final = root / ckpt.checkpoint_name(step)
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model_state.items()}
+    hf_model = _is_plain_hf_model(model, state)
     with fileio.atomic_directory(final, overwrite=True) as tmp:
-        save_file(state, str(tmp / FACTORY_STATE_NAME))
-        marker = {"model_class": model_class, "step": step, "tensors": len(state)}
+        weights = HF_WEIGHTS_NAME if hf_model else FACTORY_STATE_NAME
+        save_file(state, str(tmp / weights), metadata={"format": "pt"})
+        if hf_model:
+            model.config.save_pretrained(tmp)
+            generation_config = getattr(model, "generation_config", None)
+            if generation_config is not None:
+                generation_config.save_pretrained(tmp)
+        marker = {
+            "model_class": type(model).__name__,
+            "step": step,
+            "tensors": len(state),
+            "weights": weights,
+        }
         (tmp / FACTORY_MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
         torch.save(
             ckpt.to_safe({"format": ckpt.FORMAT_VERSION, **trainer_state}),
