@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model_dir",
         metavar="MODEL_DIR",
-        help="diffattn model directory, a diffattn train run (its newest checkpoint) or RUN@STEP",
+        help="diffattn model directory, a diffattn train run (its newest checkpoint) or RUN@STEP, "
+        "or any other model directory diffattn loads (Hugging Face Llama/Qwen2/Mistral, a Dex "
+        "merge or adapter run), generated with transformers' generate",
     )
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument(
@@ -245,10 +247,15 @@ def run(args: argparse.Namespace) -> int:
         compile=args.compile,
         compile_mode=args.compile_mode,
     )  # validates the sampling options before anything is loaded
+    from diffattn.loading import resolve_source
+
+    source = resolve_source(model_dir)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    if source.kind != "diffattn":
+        return generate_with_transformers(args, source, device, dtype, config)
     tokenizer = text_tokenizer(model_dir, args.tokenizer)
     config = config.replace(eos_token_id=eos_token_ids(model_dir, tokenizer))
     overrides = {"backend": args.backend} if args.backend else {}
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     model = load_model(model_dir, device=device, dtype=dtype, **overrides)
     prompt_ids = tokenizer.encode(args.prompt, special=True)  # with BOS where it adds one
     if not prompt_ids:
@@ -256,6 +263,77 @@ def run(args: argparse.Namespace) -> int:
     streamer = TextStreamer(tokenizer, prompt_ids, echo=not args.no_echo)
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     generate(model, input_ids, config=config, streamer=streamer)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0
+
+
+class _AfterThePrompt:
+    """transformers' streamer protocol over :class:`TextStreamer`: ``generate`` first puts the
+    prompt (already shown), then each new token."""
+
+    def __init__(self, streamer: TextStreamer) -> None:
+        self.streamer = streamer
+        self.prompt_seen = False
+
+    def put(self, tokens: Any) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.streamer.put(tokens.reshape(-1)[-1:])
+
+    def end(self) -> None:
+        self.streamer.end()
+
+
+def generate_with_transformers(args: argparse.Namespace, source: Any, device, dtype, config) -> int:
+    """A model diffattn loads that is not a diffattn directory (a Hugging Face Llama, Qwen2 or
+    Mistral, a Dex merge or adapter, a GGUF file): transformers' ``generate`` with the same
+    sampling settings, streamed the same way. diffattn's decoding options (``--backend``,
+    ``--compile``, ``--auto-compile``, ``--compile-mode``, ``--cache static``) do not apply and
+    are refused by name."""
+    import torch
+
+    from diffattn.loading import load_model
+
+    given = {
+        "--backend": args.backend is not None,
+        "--compile/--auto-compile": bool(args.compile),
+        "--compile-mode": args.compile_mode is not None,
+        "--cache static": args.cache == "static",
+    }
+    refused = [name for name, on in given.items() if on]
+    if refused:
+        raise ValueError(
+            f"{', '.join(refused)}: diffattn decoding options; {source.spec} is a "
+            f"{source.kind} model, generated with transformers' generate"
+        )
+    directory = source.model_dir
+    tokenizer = text_tokenizer(directory, args.tokenizer)
+    eos = eos_token_ids(directory, tokenizer)
+    model = load_model(source, device=device, dtype=dtype)
+    prompt_ids = tokenizer.encode(args.prompt, special=True)
+    if not prompt_ids:
+        raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
+    streamer = TextStreamer(tokenizer, prompt_ids, echo=not args.no_echo)
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
+    sampling = {} if config.greedy else {
+        "temperature": config.temperature, "top_k": config.top_k or 0, "top_p": config.top_p or 1.0
+    }  # fmt: skip
+    first_eos = eos[0] if isinstance(eos, list) and eos else eos
+    input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    with torch.no_grad():
+        model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=config.max_new_tokens,
+            do_sample=not config.greedy,
+            eos_token_id=eos,
+            pad_token_id=first_eos if first_eos is not None else 0,
+            streamer=_AfterThePrompt(streamer),
+            **sampling,
+        )
     sys.stdout.write("\n")
     sys.stdout.flush()
     return 0
