@@ -155,3 +155,26 @@ def test_backends_without_document_masks_hand_them_to_sdpa():
         except (KeyError, ValueError):
             continue
         assert not backend.custom_masks, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["sdpa", "auto", "flash", "triton", "fused"])
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_packed_documents_on_cuda(attention, backend, dtype):
+    """The GPU check's part (``-m gpu``): every CUDA backend, fp32 and bf16, packed documents
+    against each alone (outputs; bf16 within 2e-2 of the largest logit)."""
+    from diffattn.attention.registry import get_backend
+
+    probe = torch.zeros(1, 1, 1, 16, device="cuda", dtype=dtype)
+    unusable = get_backend(backend).unusable
+    reason = unusable(probe) if unusable is not None else None
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    model = model_for(attention, backend).to("cuda", dtype)
+    ids, document_ids, docs = packed([1, 7, 129, 40])
+    with torch.no_grad():
+        together = model(ids.cuda(), document_ids=document_ids.cuda()).logits[0].float()
+        alone = torch.cat([model(d[None].cuda()).logits[0].float() for d in docs])
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert (together - alone).abs().max() <= tolerance * alone.abs().max()
