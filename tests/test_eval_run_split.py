@@ -165,3 +165,30 @@ def test_a_run_without_checkpoints_is_one_clear_error(tmp_path):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
     with pytest.raises(ValueError, match="a training run with no complete checkpoint"):
         training_run_checkpoint(tmp_path / "run")
+
+
+def test_documents_are_cut_as_the_run_cut_them(tmp_path, data_cache):
+    """A run that split its text files into paragraphs held out paragraphs: eval reads
+    paragraphs too (not whole files, most of whose paragraphs the run trained on)."""
+    import random
+
+    from diffattn.data import is_validation_document, iter_documents
+    from diffattn.train import TrainConfig, train
+    from train_helpers import tiny_recipe
+
+    rng = random.Random(1)
+    words = ["alpha", "beta", "gamma", "delta", "def", "return", "kappa", "sigma"]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(40):
+        paragraphs = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(10)]
+        (corpus / f"f{i}.txt").write_text("\n\n".join(paragraphs) + "\n")
+    data = {"sources": [str(corpus)], "document_split": "paragraph", "valid_fraction": 0.05}
+    recipe = tiny_recipe(data_cache, steps=1, data={**data, "max_bytes": None})
+    train(TrainConfig.from_dict(recipe), tmp_path / "run")
+    assert eval_loss(tmp_path / "run", tmp_path / "out", "--max-tokens", "500") == 0
+    record = json.loads((tmp_path / "out" / "results.json").read_text())
+    paragraphs = list(iter_documents([str(corpus)], split="paragraph"))
+    held = sum(is_validation_document(p, seed=0, valid_fraction=0.05) for p in paragraphs)
+    assert record["results"]["documents"] == held
+    assert "split=paragraph" in record["data_from"]["documents"]["value"]

@@ -67,4 +67,13 @@ def run(args: argparse.Namespace) -> int:
     ):
         clear_output_directory(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
-    return int(args.experiment_main(args) or 0)
+    reading = getattr(args, "document_reading", None)
+    if not reading:
+        return int(args.experiment_main(args) or 0)
+    from diffattn.eval.text import DOCUMENT_READING
+
+    token = DOCUMENT_READING.set(reading)  # documents cut as the evaluated run cut them
+    try:
+        return int(args.experiment_main(args) or 0)
+    finally:
+        DOCUMENT_READING.reset(token)

@@ -2,8 +2,9 @@
 
 A diffattn checkpoint written by the trainer carries its recipe (``train_config.yaml``), whose
 ``data`` section decides which documents the run held out: ``sources``, ``valid_fraction`` and
-``seed`` (document-level split, ``diffattn.data.is_validation_document``), and whose ``seq_len``
-is the window the run trained on. For such a model every ``diffattn eval`` experiment that reads
+``seed`` (document-level split, ``diffattn.data.is_validation_document``) over the documents
+its ``text_field``, ``document_split`` and ``max_bytes`` cut, and whose ``seq_len`` is the
+window the run trained on. For such a model every ``diffattn eval`` experiment that reads
 documents takes these from the run unless a flag gives them, and records where each value came
 from. A flag that changes the held-out documents (other sources, another fraction or seed) would
 score documents the run trained on as held out, so it is refused with one line naming both
@@ -32,6 +33,9 @@ class RunSplit:
     valid_fraction: float
     data_seed: int
     seq_len: int
+    reading: tuple[tuple[str, Any], ...] = ()
+    """How the trainer cut the sources into documents: ``text_field``, ``split`` (file,
+    paragraph or line) and ``max_bytes`` of :func:`diffattn.data.iter_documents`."""
 
     def value(self, key: str) -> Any:
         return list(self.data) if key == "data" else getattr(self, key)
@@ -71,6 +75,11 @@ def run_split(recipe: Path) -> RunSplit:
         valid_fraction=float(data["valid_fraction"]),
         data_seed=int(data["seed"]),
         seq_len=int(loaded.get("seq_len", train_defaults["seq_len"])),
+        reading=(
+            ("text_field", data["text_field"]),
+            ("split", data["document_split"]),
+            ("max_bytes", data["max_bytes"]),
+        ),
     )
 
 
@@ -90,6 +99,20 @@ def resolve(args: Any, defaults: dict[str, Any]) -> dict[str, dict[str, Any]]:
             splits[spec] = run_split(recipe)
     everything = getattr(args, "split", "valid") == "all"
     provenance: dict[str, dict[str, Any]] = {}
+    readings = {split.reading for split in splits.values()}
+    if len(readings) > 1 and not everything:
+        raise ValueError(
+            "the models' runs cut their sources into documents differently (data.text_field, "
+            "data.document_split or data.max_bytes): no one held-out split holds for all of "
+            "them; pass --split all"
+        )
+    # documents are cut as the run cut them (whole files for models without a recipe)
+    args.document_reading = dict(next(iter(readings))) if len(readings) == 1 else {}
+    if args.document_reading:
+        provenance["documents"] = {
+            "value": ", ".join(f"{k}={v}" for k, v in args.document_reading.items()),
+            "from": f"the run's recipe ({next(iter(splits.values())).recipe})",
+        }
     for key in (*SPLIT_KEYS, "seq_len"):
         given = getattr(args, key)
         run_values = {spec: split.value(key) for spec, split in splits.items()}

@@ -10,6 +10,7 @@ and they are cut into non-overlapping windows of ``--seq-len`` tokens, up to ``-
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -71,10 +72,17 @@ def add_data_arguments(parser: Any, seq_len: int, max_tokens: int) -> None:
     )
 
 
+DOCUMENT_READING: ContextVar[dict[str, Any] | None] = ContextVar("document_reading", default=None)
+"""How :func:`documents` cuts sources into documents (``text_field``, ``split``,
+``max_bytes`` of :func:`diffattn.data.iter_documents`): the trained run's own, set by
+``diffattn eval`` for the duration of an experiment (:mod:`diffattn.eval.run_split`), so the
+held-out split is decided over the documents the trainer saw; the defaults otherwise."""
+
+
 def documents(specs: Sequence[str], split: str, valid_fraction: float, seed: int) -> list[str]:
     from diffattn.data import is_validation_document, iter_documents
 
-    docs = list(iter_documents(specs))
+    docs = list(iter_documents(specs, **(DOCUMENT_READING.get() or {})))
     if split == "valid":
         docs = [
             d for d in docs if is_validation_document(d, seed=seed, valid_fraction=valid_fraction)
