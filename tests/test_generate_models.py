@@ -61,3 +61,17 @@ def test_diffattn_decoding_options_are_refused_for_hf_models(models, capsys, fla
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "diffattn decoding options" in err and "hf model" in err
+
+
+def test_the_models_generation_config_is_not_merged_in(models, capsys, tmp_path):
+    """A repetition penalty in the model's generation_config.json does not reach the call."""
+    import json
+    import shutil
+
+    ours, llama = models
+    penalised = tmp_path / "penalised"
+    shutil.copytree(llama, penalised)
+    settings = penalised / "generation_config.json"
+    config = json.loads(settings.read_text()) if settings.is_file() else {}
+    settings.write_text(json.dumps({**config, "repetition_penalty": 5.0}))
+    assert generated(capsys, penalised) == generated(capsys, ours)

@@ -130,3 +130,13 @@ def test_trainer_with_the_flattening_collator_trains_as_padded(attention, tmp_pa
     pad = RecordingTrainer.run(hf_model(attention).train(), pad_collate, dataset, 3)
     assert len(flat) == len(pad) == 3
     torch.testing.assert_close(torch.tensor(flat), torch.tensor(pad), rtol=1e-5, atol=1e-5)
+
+
+def test_a_flattened_row_returns_no_cache_in_eval_mode():
+    """HF's eval-mode forward would start a cache; a packed row must not fill one (the next
+    token would attend to every document)."""
+    model = hf_model("diff_v2")
+    flat = DataCollatorWithFlattening(return_tensors="pt")(features())
+    with torch.no_grad():
+        out = model(input_ids=flat["input_ids"], position_ids=flat["position_ids"])
+    assert out.past_key_values is None

@@ -178,3 +178,21 @@ def test_packed_documents_on_cuda(attention, backend, dtype):
         alone = torch.cat([model(d[None].cuda()).logits[0].float() for d in docs])
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert (together - alone).abs().max() <= tolerance * alone.abs().max()
+
+
+def test_an_id_that_comes_back_is_another_document():
+    """``[0, 1, 0]``: three runs, three documents for the mask, RoPE and the loss alike."""
+    model = model_for("diff_v1", "auto")
+    ids, _, docs = packed([4, 3, 5])
+    reused = torch.tensor([[0] * 4 + [1] * 3 + [0] * 5])
+    together = model(ids, document_ids=reused).logits[0]
+    alone = torch.cat([model(d[None]).logits[0] for d in docs])
+    torch.testing.assert_close(together, alone, **TOL)
+
+
+def test_a_packed_row_fills_no_cache():
+    model = model_for("baseline", "auto")
+    ids, document_ids, _ = packed([3, 4])
+    with pytest.raises(ValueError, match="cannot fill a KV cache"):
+        model(ids, document_ids=document_ids, use_cache=True)
+    assert model(ids, document_ids=document_ids).past_key_values is None

@@ -63,3 +63,20 @@ def test_resume_with_document_masking_repeats_the_losses(tmp_path, data_cache):
     full, resumed = read_losses(a), read_losses(b)
     assert sorted(resumed) == list(range(1, 7))
     assert max(abs(full[s] - resumed[s]) for s in range(4, 7)) <= 1e-6
+
+
+@pytest.mark.extra("hf")
+def test_document_masking_is_refused_for_a_model_that_takes_no_documents(tmp_path, data_cache):
+    """A Hugging Face model's forward swallows unknown keywords: it would train across
+    documents while the recipe says otherwise."""
+    from diffattn.train import ConfigError, TrainConfig, train
+    from helpers import tiny_hf
+
+    recipe = short_documents_recipe(tmp_path, data_cache, steps=1, document_masking=True)
+    with pytest.raises(ConfigError, match="document_masking: the model_factory model"):
+        train(
+            TrainConfig.from_dict(recipe),
+            tmp_path / "run",
+            progress=False,
+            model_factory=lambda: tiny_hf("llama", vocab_size=512),
+        )

@@ -137,6 +137,13 @@ def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
     return F.pad(restarts.long().cumsum(-1), (1, 0))
 
 
+def document_runs(document_ids: torch.Tensor) -> torch.Tensor:
+    """``(B, N)`` index of each token's run of equal ids, from 0 per row: the documents as the
+    mask, RoPE and the loss all read them (``[0, 1, 0]`` is three documents, not two)."""
+    changes = document_ids[:, 1:] != document_ids[:, :-1]
+    return F.pad(changes.long().cumsum(-1), (1, 0))
+
+
 def positions_in_documents(document_ids: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
     """RoPE positions that restart at 0 with each document (counting real tokens only when
     ``real``, the 2-D padding mask, is given), ``(B, N)``."""
@@ -332,7 +339,9 @@ class DiffTransformerLM(nn.Module):
             padding = F.pad(padding, (0, cache.max_len - past - n), value=True)
         return AttentionMask(key_padding=padding, query_offset=past), positions
 
-    def _documents(self, document_ids, position_ids, attention_mask, cache_position, past, bsz, n):
+    def _documents(
+        self, document_ids, position_ids, attention_mask, cache, cache_position, past, bsz, n
+    ):
         """The packed documents of this call, ``(B, N)`` or ``None`` (see ``forward``)."""
         if document_ids is None:
             if (
@@ -355,11 +364,18 @@ class DiffTransformerLM(nn.Module):
                 "documents packed in a row (document_ids, or position_ids that restart) cannot "
                 "follow cached tokens or use cache_position: start from an empty cache"
             )
+        if cache is not None:
+            raise ValueError(
+                "documents packed in a row cannot fill a KV cache (a next token would attend to "
+                "every document, at the row's position): pass use_cache=False"
+            )
         if attention_mask is not None and attention_mask.dim() == 4:
             raise ValueError(
                 "document_ids and a 4-D attention_mask both say who attends to whom; give one"
             )
-        if bool((document_ids == document_ids[:, :1]).all()):
+        # each run of equal ids is one document (an id that comes back later starts another)
+        document_ids = document_runs(document_ids)
+        if bool((document_ids == 0).all()):
             return None  # one document per row: today's causal path, exactly
         longest = int(document_lengths(document_ids).max())
         if longest > self.config.max_seq_len:
@@ -459,7 +475,7 @@ class DiffTransformerLM(nn.Module):
                 f"got {tuple(position_ids.shape)}"
             )
         document_ids = self._documents(
-            document_ids, position_ids, attention_mask, cache_position, past, bsz, n
+            document_ids, position_ids, attention_mask, cache, cache_position, past, bsz, n
         )
         if document_ids is None and past + n > self.config.max_seq_len:
             raise ValueError(

@@ -35,7 +35,9 @@ class AttentionMask:
     causal and padding rule."""
     document_ids: torch.Tensor | None = None
     """``(B, S)`` integer document of each key position (documents packed in a row): a query
-    reads only keys of its own document, on top of the rule above. ``None``: one document."""
+    reads only keys of equal id, on top of the rule above. ``None``: one document. Give each
+    run of tokens its own id (the model passes run indices, ``model.document_runs``): the Triton
+    kernels number runs, the other backends compare ids."""
 
     @property
     def custom(self) -> bool:

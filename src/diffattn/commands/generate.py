@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
 
     # a training run (its newest checkpoint) or RUN@STEP stands for that checkpoint's directory
     model_dir = training_run_checkpoint(args.model_dir) or Path(args.model_dir)
-    if not model_dir.is_dir():
+    if not model_dir.exists():
         raise CheckpointError(f"{model_dir}: model directory not found")
     device = _parse_device(args.device)
     cache = "static" if args.compile is True else args.cache
@@ -288,10 +288,11 @@ class _AfterThePrompt:
 
 def generate_with_transformers(args: argparse.Namespace, source: Any, device, dtype, config) -> int:
     """A model diffattn loads that is not a diffattn directory (a Hugging Face Llama, Qwen2 or
-    Mistral, a Dex merge or adapter, a GGUF file): transformers' ``generate`` with the same
-    sampling settings, streamed the same way. diffattn's decoding options (``--backend``,
-    ``--compile``, ``--auto-compile``, ``--compile-mode``, ``--cache static``) do not apply and
-    are refused by name."""
+    Mistral, a Dex merge or adapter, a directory holding a GGUF file): transformers'
+    ``generate`` with this command's sampling settings only (not the model's
+    ``generation_config.json``, whose EOS is read as for diffattn models), streamed the same
+    way. diffattn's decoding options (``--backend``, ``--compile``, ``--auto-compile``,
+    ``--compile-mode``, ``--cache static``) do not apply and are refused by name."""
     import torch
 
     from diffattn.loading import load_model
@@ -323,6 +324,11 @@ def generate_with_transformers(args: argparse.Namespace, source: Any, device, dt
     }  # fmt: skip
     first_eos = eos[0] if isinstance(eos, list) and eos else eos
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    # Only this command's settings: the model's generation_config.json (repetition penalties,
+    # n-gram bans, ...) would otherwise be merged into the call (its EOS is read above).
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    model.generation_config = HFGenerationConfig()
     with torch.no_grad():
         model.generate(
             input_ids,

@@ -67,6 +67,7 @@ from diffattn.hf.value_heads import merge_value_heads, split_value_heads, value_
 from diffattn.model import (
     DecoderBlock,
     DiffTransformerLM,
+    documents_from_positions,
     labels_within_documents,
     next_token_loss,
 )
@@ -488,6 +489,14 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             )
         if use_cache is None:
             use_cache = getattr(self.config, "use_cache", True)
+        packed = document_ids is not None or (
+            position_ids is not None
+            and attention_mask is None
+            and cache is None
+            and documents_from_positions(position_ids) is not None
+        )
+        if packed:  # HF's padding-free rows: nothing to cache (the next token would see all)
+            use_cache = False
         if cache is None and use_cache and not self.training:
             from transformers import DynamicCache
 

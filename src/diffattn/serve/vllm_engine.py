@@ -119,7 +119,7 @@ def tensor_parallel_size(engine_args: tuple[str, ...]) -> int:
     """The ``--tensor-parallel-size`` (``-tp``) in vLLM's options, 1 when absent."""
     for index, arg in enumerate(engine_args):
         name, equals, value = arg.partition("=")
-        if name in ("--tensor-parallel-size", "-tp"):
+        if name in ("--tensor-parallel-size", "--tensor_parallel_size", "-tp"):
             text = (
                 value
                 if equals

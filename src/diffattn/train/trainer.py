@@ -60,7 +60,7 @@ from torch import nn
 
 from diffattn import fileio
 from diffattn.config import ModelConfig
-from diffattn.model import DiffTransformerLM
+from diffattn.model import DiffTransformerLM, labels_within_documents
 from diffattn.probe import eval_mode, token_nll
 from diffattn.train import checkpoint as ckpt
 from diffattn.train import distributed
@@ -590,6 +590,13 @@ class Trainer:
         if self.model_factory is not None:
             own = getattr(self.model, "config", None)
             self.model_config = own if isinstance(own, ModelConfig) else None
+            if self.config.document_masking and not takes_document_ids(self.model):
+                raise ConfigError(
+                    "document_masking",
+                    f"the model_factory model ({type(self.model).__name__}) takes no "
+                    "document_ids in forward, so it would attend across documents; use a "
+                    "diffattn model or turn document_masking off",
+                )
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.num_trainable = sum(p.numel() for p in self.trainable)
@@ -1064,6 +1071,14 @@ class Evaluation:
     float32 on CPU (row i, column j: −log p(token j+1 | tokens ≤ j))."""
 
 
+def takes_document_ids(model: nn.Module) -> bool:
+    """Whether ``model.forward`` names a ``document_ids`` parameter (a ``**kwargs`` that would
+    swallow it does not count)."""
+    import inspect
+
+    return "document_ids" in inspect.signature(model.forward).parameters
+
+
 def model_inputs(chunk: torch.Tensor, eos_id: int | None) -> dict[str, torch.Tensor]:
     """``labels`` (the chunk itself), and ``document_ids`` split at each EOS when ``eos_id`` is
     given (``TrainConfig.document_masking``)."""
@@ -1104,12 +1119,16 @@ def evaluate(
     with eval_mode(model):
         for batch in batches:
             for chunk in batch.to(device).split(micro_batch_size):
+                inputs = model_inputs(chunk, eos_id)
                 with _autocast(device, dtype):
-                    output = model(chunk, **model_inputs(chunk, eos_id))
+                    output = model(chunk, **inputs)
                 totals[0] += output.loss.double() * chunk.shape[0]
                 totals[1] += chunk.shape[0]
                 if return_token_losses:
-                    token_losses.append(token_nll(output.logits, chunk).cpu())
+                    targets = chunk
+                    if "document_ids" in inputs:  # no target across a boundary, as the loss
+                        targets = labels_within_documents(chunk, inputs["document_ids"])
+                    token_losses.append(token_nll(output.logits, targets).cpu())
     distributed.all_reduce_sum(totals)
     losses = torch.cat(token_losses) if return_token_losses else None
     return Evaluation(float(totals[0] / totals[1]), losses)
@@ -1159,9 +1178,9 @@ def _factory_model(factory: Callable[[], nn.Module], vocab: int) -> nn.Module:
 
 
 def _is_plain_hf_model(model: nn.Module, state: dict[str, torch.Tensor]) -> bool:
-    """Whether ``model`` is a Hugging Face causal LM whose state is exactly what
-    ``AutoModelForCausalLM.from_config(model.config)`` builds (built on the meta device), so
-    its ``save_pretrained`` form loads back whole."""
+    """Whether ``model`` is a Hugging Face causal LM whose state (names and shapes) and modules
+    are exactly what ``AutoModelForCausalLM.from_config(model.config)`` builds (built on the
+    meta device), so its ``save_pretrained`` form loads back as the same model."""
     config = getattr(model, "config", None)
     if config is None or not callable(getattr(model, "save_pretrained", None)):
         return False
@@ -1172,7 +1191,11 @@ def _is_plain_hf_model(model: nn.Module, state: dict[str, torch.Tensor]) -> bool
             fresh = AutoModelForCausalLM.from_config(config)
     except Exception:  # not a causal LM transformers can build from its config
         return False
-    return set(fresh.state_dict()) == set(state)
+    expected = fresh.state_dict()
+    if set(expected) != set(state) or any(expected[k].shape != state[k].shape for k in state):
+        return False
+    own = dict(model.named_modules())  # no module swapped for another under the same names
+    return all(isinstance(own.get(name), type(module)) for name, module in fresh.named_modules())
 
 
 def _read_factory_state(checkpoint: Path) -> dict[str, torch.Tensor]:

@@ -150,19 +150,21 @@ def diff_v1_attention(
 
 
 def segments(key_padding: torch.Tensor | None, documents: torch.Tensor | None):
-    """The kernels' key segments ``(B, S)`` int32: 0 for padding, ``document + 1`` (1 without
-    documents) for a real token; a query reads the keys of its own segment (and itself). A
-    document id below 0 is moved up with the rest, so every real token's segment is positive.
-    ``None`` when there is neither padding nor documents."""
+    """The kernels' key segments ``(B, S)`` int32: 0 for padding, the 1-based index of the
+    token's run of equal document ids (1 without documents) for a real token; a query reads
+    the keys of its own segment (and itself). Runs, not raw ids: any integer ids fit, and an
+    id that comes back later is another document, as the model reads it. ``None`` when there
+    is neither padding nor documents."""
     if key_padding is None and documents is None:
         return None
     if documents is None:
         return key_padding.to(torch.int32)
-    ids = documents.to(torch.int64)
-    ids = ids - ids.min() + 1
+    changes = documents[:, 1:] != documents[:, :-1]  # runs of equal ids, numbered from 1
+    ids = torch.nn.functional.pad(changes.to(torch.int32).cumsum(-1, dtype=torch.int32), (1, 0))
+    ids = ids + 1
     if key_padding is not None:
-        ids = ids * key_padding.to(torch.int64)
-    return ids.to(torch.int32)
+        ids = ids * key_padding.to(torch.int32)
+    return ids
 
 
 def _check(q1, q2, k1, k2, v, lam) -> None:
