@@ -54,12 +54,22 @@ CHECKPOINTS = {
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def served(request, tmp_path_factory):
     """``(name, diffattn model, vLLM engine, engine settings)`` for one checkpoint."""
-    from vllm import LLM
 
     attention, overrides, settings = CHECKPOINTS[request.param]
     directory = tmp_path_factory.mktemp(request.param)
     model, _ = save_checkpoint(directory, attention, **overrides)
-    llm = LLM(
+    llm = start_engine(directory, **settings)
+    yield request.param, model, llm, settings
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+
+
+def start_engine(directory, **settings):
+    """A vLLM engine on ``directory`` as every test here starts one: fp32, eager, 512 tokens of
+    context, blocks of :data:`BLOCK`, seeded; ``settings`` add to vLLM's own."""
+    from vllm import LLM
+
+    return LLM(
         model=str(directory),
         dtype="float32",
         enforce_eager=True,
@@ -68,9 +78,6 @@ def served(request, tmp_path_factory):
         seed=0,
         **settings,
     )
-    yield request.param, model, llm, settings
-    llm.llm_engine.engine_core.shutdown()
-    del llm
 
 
 def vllm_greedy(llm, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
@@ -144,8 +151,6 @@ def test_a_dex_merged_llama_serves_as_the_dex_model_decodes(tmp_path):
     and its greedy tokens equal those of the Dex model (adapter applied, not merged)."""
     import copy
 
-    from vllm import LLM
-
     from diffattn import dex
     from helpers import tiny_hf
     from serve_helpers import word_tokenizer
@@ -162,14 +167,7 @@ def test_a_dex_merged_llama_serves_as_the_dex_model_decodes(tmp_path):
     merged.save_pretrained(tmp_path)
     word_tokenizer().save_pretrained(tmp_path)
     prompts = [prompt_ids(seed, n, VOCAB) for seed, n in enumerate(LENGTHS)]
-    llm = LLM(
-        model=str(tmp_path),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        block_size=BLOCK,
-        seed=0,
-    )
+    llm = start_engine(tmp_path)
     try:
         outputs = vllm_greedy(llm, prompts)
     finally:
@@ -188,20 +186,11 @@ def test_tensor_parallel_serving_equals_diffattn(attention, tmp_path, monkeypatc
     """Two tensor-parallel workers (vLLM's CPU workers, one core each): each holds half of the
     KV groups (whole (K1, K2) pairs for DIFF V1); greedy tokens and prompt log-probabilities
     equal diffattn's."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one NUMA node: bind by hand
     model, directory = save_checkpoint(tmp_path, attention, n_kv_heads=4)
-    llm = LLM(
-        model=str(directory),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        block_size=BLOCK,
-        seed=0,
-        tensor_parallel_size=2,
-        distributed_executor_backend="mp",
-    )
+    llm = start_engine(directory, tensor_parallel_size=2, distributed_executor_backend="mp")
     try:
         prompts = [prompt_ids(seed, n, VOCAB) for seed, n in enumerate(LENGTHS)]
         outputs = vllm_greedy(llm, prompts)

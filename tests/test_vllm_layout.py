@@ -26,16 +26,17 @@ from helpers import tiny_config
 TOL = 2e-6
 
 
-def stock_attention(q, k, v, num_heads, num_kv_heads, head_size, scale):
-    """What a paged-attention backend computes for one sequence: causal softmax per query head,
-    query head i reading KV head i // (num_heads / num_kv_heads). Token-major ``(T, H·w)``."""
-    t = q.shape[0]
-    q = q.view(t, num_heads, head_size).transpose(0, 1).double()
-    k = k.view(t, num_kv_heads, head_size).transpose(0, 1).double()
-    v = v.view(t, num_kv_heads, head_size).transpose(0, 1).double()
-    rep = num_heads // num_kv_heads
+def stock_attention(q, k, v, layout):
+    """What a paged-attention backend computes for one sequence under ``layout``: causal
+    softmax per query head, query head i reading KV head i // (num_heads / num_kv_heads).
+    Token-major ``(T, H·w)``."""
+    t, width = q.shape[0], layout.head_size
+    q = q.view(t, layout.num_heads, width).transpose(0, 1).double()
+    k = k.view(t, layout.num_kv_heads, width).transpose(0, 1).double()
+    v = v.view(t, layout.num_kv_heads, width).transpose(0, 1).double()
+    rep = layout.num_heads // layout.num_kv_heads
     k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
-    scores = q @ k.transpose(-1, -2) * scale
+    scores = q @ k.transpose(-1, -2) * layout.scale
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     return (probs @ v).transpose(0, 1).reshape(t, -1).float()
@@ -54,15 +55,8 @@ def through_layout(attn, x, rope):
     d = config.dim_per_head
     if config.attention == "diff_v1":
         q, k, v = project_qkv(attn, x, rope, None, 2 * d)
-        out = stock_attention(
-            v1_padded_queries(token_major(q), d),
-            token_major(k),
-            token_major(v),
-            layout.num_heads,
-            layout.num_kv_heads,
-            layout.head_size,
-            layout.scale,
-        )
+        queries = v1_padded_queries(token_major(q), d)
+        out = stock_attention(queries, token_major(k), token_major(v), layout)
         norm = attn.head_norm
         out = v1_combine(
             out,
@@ -74,15 +68,7 @@ def through_layout(attn, x, rope):
         )
     else:
         q, k, v = project_qkv(attn, x, rope, None, d)
-        out = stock_attention(
-            token_major(q),
-            token_major(k),
-            token_major(v),
-            layout.num_heads,
-            layout.num_kv_heads,
-            layout.head_size,
-            layout.scale,
-        )
+        out = stock_attention(token_major(q), token_major(k), token_major(v), layout)
         if config.attention == "diff_v2":
             out = v2_combine(out, v2_lambda(attn, x), d, config.v2_paired_heads)
     return attn.o_proj(out)

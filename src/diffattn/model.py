@@ -339,6 +339,43 @@ class DiffTransformerLM(nn.Module):
             padding = F.pad(padding, (0, cache.max_len - past - n), value=True)
         return AttentionMask(key_padding=padding, query_offset=past), positions
 
+    def _attention_inputs(
+        self, attention_mask, cache, cache_position, position_ids, document_ids, past, bsz, n,
+        device,
+    ):  # fmt: skip
+        """``(AttentionMask, RoPE positions, documents or None)`` of a call: the mask rule,
+        the packed documents (given, or read from restarting ``position_ids``), positions
+        restarting per document unless ``position_ids`` are given, and the length check (per
+        document when packed)."""
+        if position_ids is not None and (
+            position_ids.dim() != 2
+            or position_ids.shape[1] != n
+            or position_ids.shape[0] not in (1, bsz)
+        ):
+            raise ValueError(
+                f"position_ids must have shape ({bsz}, {n}) or (1, {n}), "
+                f"got {tuple(position_ids.shape)}"
+            )
+        document_ids = self._documents(
+            document_ids, position_ids, attention_mask, cache, cache_position, past, bsz, n
+        )
+        if document_ids is None and past + n > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {past + n} exceeds max_seq_len="
+                f"{self.config.max_seq_len} of this model"
+            )
+        mask, positions = self._mask_and_positions(
+            attention_mask, cache, cache_position, past, bsz, n, device
+        )
+        if document_ids is not None:
+            document_ids = document_ids.to(device)
+            mask.document_ids = document_ids
+            real = attention_mask.bool() if attention_mask is not None else None
+            positions = positions_in_documents(document_ids, real)
+        if position_ids is not None:
+            positions = position_ids.to(device).expand(bsz, n)
+        return mask, positions, document_ids
+
     def _documents(
         self, document_ids, position_ids, attention_mask, cache, cache_position, past, bsz, n
     ):
@@ -465,33 +502,17 @@ class DiffTransformerLM(nn.Module):
         if cache is None and use_cache:
             cache = DynamicCache()
         past = 0 if cache is None or cache_position is not None else cache.get_seq_length()
-        if position_ids is not None and (
-            position_ids.dim() != 2
-            or position_ids.shape[1] != n
-            or position_ids.shape[0] not in (1, bsz)
-        ):
-            raise ValueError(
-                f"position_ids must have shape ({bsz}, {n}) or (1, {n}), "
-                f"got {tuple(position_ids.shape)}"
-            )
-        document_ids = self._documents(
-            document_ids, position_ids, attention_mask, cache, cache_position, past, bsz, n
+        mask, positions, document_ids = self._attention_inputs(
+            attention_mask,
+            cache,
+            cache_position,
+            position_ids,
+            document_ids,
+            past,
+            bsz,
+            n,
+            x.device,
         )
-        if document_ids is None and past + n > self.config.max_seq_len:
-            raise ValueError(
-                f"sequence length {past + n} exceeds max_seq_len="
-                f"{self.config.max_seq_len} of this model"
-            )
-        mask, positions = self._mask_and_positions(
-            attention_mask, cache, cache_position, past, bsz, n, x.device
-        )
-        if document_ids is not None:
-            document_ids = document_ids.to(x.device)
-            mask.document_ids = document_ids
-            real = attention_mask.bool() if attention_mask is not None else None
-            positions = positions_in_documents(document_ids, real)
-        if position_ids is not None:
-            positions = position_ids.to(x.device).expand(bsz, n)
         rope = self.rotary(positions)
         hidden = [x] if output_hidden_states else None
         maps = [] if output_attentions else None

@@ -83,6 +83,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Jinja chat template (a file, or the template itself) for a tokenizer without one, "
         "or to replace its own",
     )
+    add_engine_arguments(parser)
+    parser.add_argument(
+        "--log-level", default="warning", help=f"{', '.join(LOG_LEVELS)} (default: warning)"
+    )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--engine`` and ``--vllm-args`` (docs/serving.md, "vLLM")."""
     parser.add_argument(
         "--engine",
         default="transformers",
@@ -95,9 +103,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="more options for vLLM's server, as one string after an equals sign "
         "(--vllm-args='--enforce-eager --max-num-seqs 64'); --engine vllm only",
-    )
-    parser.add_argument(
-        "--log-level", default="warning", help=f"{', '.join(LOG_LEVELS)} (default: warning)"
     )
 
 

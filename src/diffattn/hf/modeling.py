@@ -237,19 +237,43 @@ class DiffAttnPreTrainedModel(PreTrainedModel):
                     lm.init_module(module)
 
 
+def padding_free_documents(
+    rows,
+    position_ids,
+    attention_mask,
+    cache,
+    read_index,
+    cu_seq_lens_q,
+    cu_seq_lens_k,
+    max_length_q,
+    max_length_k,
+) -> torch.Tensor | None:
+    """The documents of HF's padding-free formats, ``(B, N)``, or ``None``: ``cu_seq_lens_q``
+    without continuous batching's paged cache (:func:`flattened_documents`), or restarting
+    ``position_ids`` with no mask and no cache (``DataCollatorWithFlattening``'s default),
+    read once here and handed to the core model as ``document_ids``."""
+    if cu_seq_lens_q is not None:
+        if is_paged_cache(cache) or read_index is not None:
+            return None
+        return flattened_documents(cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, rows)
+    if position_ids is None or attention_mask is not None or cache is not None:
+        return None
+    if position_ids.dim() != 2 or rows is None or position_ids.shape[1] != rows.shape[1]:
+        return None  # the core model names the bad shape
+    return documents_from_positions(position_ids.expand(rows.shape[0], -1))
+
+
 def flattened_documents(
     cu_seq_lens_q: torch.Tensor,
     cu_seq_lens_k: torch.Tensor | None,
     max_length_q: int | None,
     max_length_k: int | None,
-    input_ids: torch.Tensor | None,
-    inputs_embeds: torch.Tensor | None,
+    rows: torch.Tensor | None,
 ) -> torch.Tensor:
     """The ``(1, N)`` document ids of HF's padding-free batch: one row whose documents end at
     ``cu_seq_lens_q[1:]`` (``[0, len_1, len_1 + len_2, ..., N]``). The keys are the queries
     (``cu_seq_lens_k`` equal, or absent), and ``max_length_q``/``_k``, when given, are the
     longest document; anything else is a ``ValueError`` naming it."""
-    rows = input_ids if input_ids is not None else inputs_embeds
     if rows is None or rows.shape[0] != 1:
         shape = None if rows is None else tuple(rows.shape[:2])
         raise ValueError(
@@ -446,13 +470,18 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
                 request is causal.
         """
         cache = resolve_cache_argument(cache, past_key_values)
-        document_ids = None
-        if cu_seq_lens_q is not None and not is_paged_cache(cache) and read_index is None:
-            # HF's padding-free format with flash kwargs (DataCollatorWithFlattening(
-            # return_flash_attn_kwargs=True)): one row of documents bounded by cu_seq_lens.
-            document_ids = flattened_documents(
-                cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, input_ids, inputs_embeds
-            )
+        document_ids = padding_free_documents(
+            input_ids if input_ids is not None else inputs_embeds,
+            position_ids,
+            attention_mask,
+            cache,
+            read_index,
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            max_length_q,
+            max_length_k,
+        )
+        if document_ids is not None and cu_seq_lens_q is not None:  # not continuous batching's
             cu_seq_lens_q = cu_seq_lens_k = max_length_q = max_length_k = None
         if cu_seq_lens_q is not None or is_paged_cache(cache):
             arguments = PagedBatchArguments(
@@ -489,14 +518,8 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             )
         if use_cache is None:
             use_cache = getattr(self.config, "use_cache", True)
-        packed = document_ids is not None or (
-            position_ids is not None
-            and attention_mask is None
-            and cache is None
-            and documents_from_positions(position_ids) is not None
-        )
-        if packed:  # HF's padding-free rows: nothing to cache (the next token would see all)
-            use_cache = False
+        if document_ids is not None:  # a padding-free row: nothing to cache (the next token
+            use_cache = False  # would attend to every document)
         if cache is None and use_cache and not self.training:
             from transformers import DynamicCache
 

