@@ -196,3 +196,61 @@ def test_a_packed_row_fills_no_cache():
     with pytest.raises(ValueError, match="cannot fill a KV cache"):
         model(ids, document_ids=document_ids, use_cache=True)
     assert model(ids, document_ids=document_ids).past_key_values is None
+
+
+def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale):
+    """What flash-attn's ``flash_attn_varlen_func`` computes, in plain PyTorch: each sequence of
+    ``cu_seqlens`` causal on its own (GQA by repeating KV heads). It checks the arguments the
+    flash backend hands over; flash-attn itself needs CUDA."""
+    assert causal and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+    lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+    assert max_q == max_k == max(lengths) and cu_q[-1] == len(q)
+    parts = []
+    for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
+        qh, kh, vh = (x.transpose(0, 1)[None] for x in (qs, ks, vs))
+        rep = qh.shape[1] // kh.shape[1]
+        kh, vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=softmax_scale
+        )
+        parts.append(out[0].transpose(0, 1))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_flash_hands_each_document_to_varlen_as_one_sequence(monkeypatch, padded):
+    """The flash backend's var-len route (``cu_seqlens`` per document and row, padding left
+    out and reading itself) against ``reference``, with a stand-in for the CUDA kernel: GQA,
+    documents of 1, 7 and 129 tokens, rows that end inside a document."""
+    import sys
+    import types
+
+    from diffattn.attention.backends.flash import document_sequences, flash_attention
+    from diffattn.attention.backends.reference import reference_attention
+    from diffattn.attention.mask import AttentionMask
+    from diffattn.model import document_runs
+
+    monkeypatch.setitem(
+        sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=_varlen_stand_in)
+    )
+    generator = torch.Generator().manual_seed(0)
+    n = 137
+    q = torch.randn(2, 4, n, 16, generator=generator)
+    k, v = (torch.randn(2, 2, n, 16, generator=generator) for _ in range(2))
+    ids = torch.tensor([[0] * 1 + [1] * 7 + [2] * 129, [0] * 129 + [1] * 7 + [2] * 1])
+    key_padding = None
+    if padded:
+        key_padding = torch.ones(2, n, dtype=torch.bool)
+        key_padding[1, -5:] = False
+        key_padding[0, :3] = False
+    mask = AttentionMask(key_padding=key_padding, document_ids=document_runs(ids))
+    results = []
+    for attend in (flash_attention, lambda *a: reference_attention(*a)[0]):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = attend(*inputs, mask, 0.25)
+        weighted_logits(out).backward()
+        results.append((out, *(x.grad for x in inputs)))
+    for fast, reference in zip(*results, strict=True):
+        torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+    cu, longest = document_sequences(document_runs(ids), torch.ones(2, n, dtype=torch.bool))
+    assert cu.tolist() == [0, 1, 8, 137, 266, 273, 274] and longest == 129
