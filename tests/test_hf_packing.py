@@ -140,3 +140,38 @@ def test_a_flattened_row_returns_no_cache_in_eval_mode():
     with torch.no_grad():
         out = model(input_ids=flat["input_ids"], position_ids=flat["position_ids"])
     assert out.past_key_values is None
+
+
+@pytest.mark.parametrize("fa_kwargs", [False, True], ids=["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_left_padded_bf16_batch_matches_its_padding_free_row(
+    attention, implementation, fa_kwargs, tmp_path
+):
+    """The conditions of transformers' generic ``test_{eager,sdpa}_padding_matches_padding_free
+    _with_position_ids`` check: a saved model reloaded in bf16 with ``attn_implementation``, a
+    left-padded batch (padding holds the pad token) against its real tokens flattened into one
+    row with restarting positions (and ``cu_seq_lens``), logits within bf16's epsilon."""
+    hf_model(attention).save_pretrained(tmp_path)
+    model = DiffAttnForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.bfloat16, attn_implementation=implementation
+    ).eval()
+    lengths = [9, 4, 13]
+    mask = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        mask[row, -n:] = 1
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(2, TINY_VOCAB, mask.shape, generator=generator)
+    ids[mask == 0] = model.config.pad_token_id or 0
+    flat = {
+        "input_ids": ids[mask.bool()][None],
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+    }
+    if fa_kwargs:
+        cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+        flat.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=13, max_length_k=13)
+    with torch.no_grad():
+        padded_logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        flat_logits = model(**flat, use_cache=False).logits
+    eps = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(padded_logits[mask.bool()], flat_logits[0], rtol=eps, atol=eps)

@@ -58,6 +58,9 @@ FIXED_SETTINGS: dict[str, Any] = {
 
 EXTRA_ATTRIBUTES_KEY = "diffattn_extra_attributes"
 
+TOKEN_ID_NAMES = ("pad_token_id", "bos_token_id", "eos_token_id")
+"""Special token ids every config states (``None`` when the tokenizer has none)."""
+
 
 def _translate(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The diffattn fields given in ``kwargs`` under either name (popped from ``kwargs``)."""
@@ -127,6 +130,11 @@ class DiffAttnConfig(PretrainedConfig):
         kwargs["tie_word_embeddings"] = model_config.tie_embeddings
         self.use_cache = kwargs.pop("use_cache", True)
         super().__init__(**kwargs)
+        for name in TOKEN_ID_NAMES:  # as Llama's config: HF's tools read them, None if unset
+            try:
+                getattr(self, name)
+            except AttributeError:
+                setattr(self, name, None)
 
     # HF reads these standard names; they are derived from the ModelConfig fields.
     @property
