@@ -148,3 +148,71 @@ def test_gradient_accumulation_and_activation_checkpointing_do_not_change_the_lo
             # AdamW hardly sees a gradient scale, so the gradient norm is compared too
             assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5)
             assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
+def test_latest_and_final_entries_follow_the_run(tmp_path, data_cache):
+    """``checkpoints/latest`` links the newest checkpoint, ``checkpoints/final`` the one of the
+    last step; a run directory as MODEL is its final checkpoint; a resume that goes further
+    drops ``final`` until it reaches its new last step."""
+    from diffattn.loading import training_run_checkpoint
+    from diffattn.train.checkpoint import FINAL_ENTRY, LATEST_ENTRY, read_entry
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(data_cache, checkpoint_every=2))
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    assert _cli(str(recipe), "--steps", "4", "--out", str(out), "--quiet") == 0
+    step4 = root / "step-00000004"
+    assert (root / LATEST_ENTRY).is_symlink() and read_entry(root, LATEST_ENTRY) == step4
+    assert read_entry(root, FINAL_ENTRY) == step4
+    assert training_run_checkpoint(out) == step4
+    assert load_model(root / FINAL_ENTRY).config == load_model(step4).config
+    assert [s for s, _ in list_checkpoints(root)] == [2, 4]  # the links are no checkpoints
+
+    from diffattn.train import load_config
+    from diffattn.train.trainer import Trainer
+
+    config = load_config(recipe, ["steps=6"])
+    trainer = Trainer(config, out, resume=True, progress=False).build()
+    assert read_entry(root, FINAL_ENTRY) is None  # not final any more
+    assert read_entry(root, LATEST_ENTRY) == step4
+    trainer.close()
+    assert _cli(str(recipe), "--steps", "6", "--out", str(out), "--resume", "--quiet") == 0
+    assert read_entry(root, FINAL_ENTRY) == read_entry(root, LATEST_ENTRY) == root / "step-00000006"
+
+
+def test_resume_from_a_named_step_sets_the_newer_checkpoints_aside(tmp_path, data_cache):
+    """``--resume 4`` continues from step 4 exactly (the losses of steps 5–8 repeat those of
+    the first run), the checkpoints after it are moved to ``superseded/``, not deleted."""
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(data_cache, checkpoint_every=2))
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    assert _cli(str(recipe), "--steps", "8", "--out", str(out), "--quiet") == 0
+    first = read_losses(out)
+    assert _cli(str(recipe), "--steps", "8", "--out", str(out), "--resume", "4", "--quiet") == 0
+    again = read_losses(out)
+    assert sorted(again) == list(range(1, 9))
+    assert max(abs(first[s] - again[s]) for s in range(5, 9)) <= 1e-6
+    assert sorted(p.name for p in (out / "superseded").iterdir()) == [
+        "step-00000006",
+        "step-00000008",
+    ]
+    assert [s for s, _ in list_checkpoints(root)] == [4, 6, 8]  # keep_last 3
+    # resuming again from 4 keeps both earlier futures under distinct names
+    assert _cli(str(recipe), "--steps", "6", "--out", str(out), "--resume", "4", "--quiet") == 0
+    assert len(list((out / "superseded").iterdir())) == 4
+
+
+def test_resume_from_a_step_without_a_checkpoint_names_the_steps(tmp_path, data_cache, capsys):
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(data_cache, checkpoint_every=2))
+    out = tmp_path / "run"
+    assert _cli(str(recipe), "--steps", "4", "--out", str(out), "--quiet") == 0
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert _cli(str(recipe), "--out", str(out), "--resume", "3") == 2
+    err = capsys.readouterr().err
+    assert "error: resume: no checkpoint of step 3 in" in err and "(its steps: 2, 4)" in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    assert _cli(str(recipe), "--out", str(out), "--resume", "3", "--resume-fallback") == 2
+    assert "--resume STEP names one checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _cli(str(recipe), "--out", str(out), "--resume", "x")
+    assert "expected a checkpoint's step (a positive integer), got 'x'" in capsys.readouterr().err

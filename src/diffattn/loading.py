@@ -135,14 +135,20 @@ def download_from_hub(repo_id: str) -> Path:
 
 def training_run_checkpoint(spec: str | os.PathLike) -> Path | None:
     """The checkpoint a ``diffattn train`` run stands for: ``RUN@STEP`` is that step's
-    checkpoint, ``RUN`` (a directory holding ``checkpoints/`` and no ``config.json``) its newest
-    complete one; ``None`` when ``spec`` names no run.
+    checkpoint, ``RUN`` (a directory holding ``checkpoints/`` and no ``config.json``) its
+    ``final`` one (the run reached its steps), else its newest complete one; ``None`` when
+    ``spec`` names no run.
 
     Raises:
         CheckpointError: the run has no complete checkpoint, or none of that step (the error
             lists the steps it has).
     """
-    from diffattn.train.checkpoint import CHECKPOINTS_DIRNAME, list_checkpoints
+    from diffattn.train.checkpoint import (
+        CHECKPOINTS_DIRNAME,
+        FINAL_ENTRY,
+        list_checkpoints,
+        read_entry,
+    )
 
     text = str(spec)
     run, at, step = text.rpartition("@")
@@ -157,6 +163,9 @@ def training_run_checkpoint(spec: str | os.PathLike) -> Path | None:
         return found[int(step)]
     path = Path(text).expanduser()
     if (path / CHECKPOINTS_DIRNAME).is_dir() and not (path / CONFIG_NAME).is_file():
+        final = read_entry(path / CHECKPOINTS_DIRNAME, FINAL_ENTRY)
+        if final is not None:
+            return final
         found = list_checkpoints(path / CHECKPOINTS_DIRNAME)
         if not found:
             raise CheckpointError(

@@ -11,6 +11,11 @@ A checkpoint directory is also a diffattn model directory (``config.json`` +
 * ``train_config.yaml``: the resolved training config.
 * the tokenizer files (``tokenizer.json``, ``tokenizer_config.json``).
 
+Beside the checkpoints, ``checkpoints/latest`` is a link to the newest one and
+``checkpoints/final`` to the one of the run's last step (``steps`` reached), so
+``OUT/checkpoints/final`` is a model path; a resumed run drops ``final`` until it reaches its
+new last step. Both are relative symbolic links, replaced atomically.
+
 Atomicity: everything is written with :func:`diffattn.fileio.atomic_directory` into a hidden
 temporary sibling (``.step-XXXXXXXX.tmp-*``), flushed to disk, and renamed into place, so a
 crash (even ``kill -9``) leaves either the complete checkpoint or none; leftovers are removed
@@ -19,6 +24,7 @@ at the next start (:func:`diffattn.fileio.remove_partial_writes`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -32,7 +38,7 @@ import torch
 
 from diffattn.checkpoint import CheckpointError, read_config, write_model_files
 from diffattn.config import ModelConfig
-from diffattn.fileio import atomic_directory, copy_tokenizer_files
+from diffattn.fileio import TEMP_MARKER, atomic_directory, copy_tokenizer_files
 from diffattn.model import DiffTransformerLM
 
 CHECKPOINTS_DIRNAME = "checkpoints"
@@ -40,6 +46,8 @@ TRAINER_STATE_NAME = "trainer_state.pt"
 CONFIG_YAML_NAME = "train_config.yaml"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
+LATEST_ENTRY = "latest"
+FINAL_ENTRY = "final"
 
 # ModelConfig fields that do not change the weights or the function; they may differ on resume.
 
@@ -64,6 +72,41 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     found = list_checkpoints(root)
     return found[-1][1] if found else None
+
+
+def point_entry(root: str | os.PathLike, name: str, checkpoint: Path) -> None:
+    """Make ``root/name`` a relative link to the checkpoint ``checkpoint`` (in ``root``),
+    replacing an older link atomically (a reader sees the old target or the new one)."""
+    root = Path(root)
+    entry = root / name
+    if entry.is_dir() and not entry.is_symlink():
+        # a copy that followed the link (shutil.copytree, cp -L): the checkpoint itself is kept
+        if not (entry / TRAINER_STATE_NAME).is_file():
+            raise CheckpointError(f"{entry}: a directory that is no checkpoint copy; move it away")
+        shutil.rmtree(entry)
+    tmp = root / f".{name}{TEMP_MARKER}{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    os.symlink(checkpoint.name, tmp, target_is_directory=True)
+    os.replace(tmp, entry)
+
+
+def clear_entry(root: str | os.PathLike, name: str) -> None:
+    """Remove the link ``root/name`` if there is one."""
+    path = Path(root) / name
+    if path.is_symlink():
+        path.unlink()
+
+
+def read_entry(root: str | os.PathLike, name: str) -> Path | None:
+    """The complete checkpoint the link ``root/name`` points to, or ``None``."""
+    path = Path(root) / name
+    if not path.is_symlink():
+        return None
+    target = Path(root) / os.readlink(path)
+    match = _STEP_RE.match(target.name)
+    complete = target.parent == Path(root) and (target / TRAINER_STATE_NAME).is_file()
+    return target if match and complete else None
 
 
 def prune(root: str | os.PathLike, keep_last: int | None) -> list[Path]:

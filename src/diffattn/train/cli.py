@@ -1,6 +1,6 @@
 """The training command line: ``diffattn train CONFIG`` and ``python -m diffattn.train CONFIG``.
 
-``CONFIG [--steps N] [--out DIR] [--resume | --resume-fallback | --overwrite] [--set k=v ...]
+``CONFIG [--steps N] [--out DIR] [--resume [STEP] | --resume-fallback | --overwrite] [--set k=v ...]
 [--device D] [--quiet]``; the
 same arguments under ``torchrun``. ``diffattn.commands.train`` exposes these to ``diffattn``.
 
@@ -40,7 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="optimizer steps to reach (sets steps)")
     parser.add_argument("--out", help="run directory (default: runs/<recipe name>)")
     parser.add_argument(
-        "--resume", action="store_true", help="continue from the newest checkpoint in --out"
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_resume_step,
+        metavar="STEP",
+        help="continue from the newest checkpoint in --out, or from the checkpoint of STEP "
+        "(the newer ones are moved to OUT/superseded/, not deleted)",
     )
     parser.add_argument(
         "--resume-fallback",
@@ -70,6 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _resume_step(text: str) -> int:
+    """``--resume STEP``: a positive step number."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a checkpoint's step (a positive integer), got {text!r}"
+        )
+    return int(text)
+
+
 def _has_checkpoint(out: Path) -> bool:
     """Whether ``out`` holds a checkpoint to resume from (every rank sees the same answer:
     nothing is written before the run's plan is made)."""
@@ -91,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
     if args.device is not None:
         overrides.append(f"device={args.device}")
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    if args.resume is not False and args.resume is not True and args.resume_fallback:
+        error("--resume STEP names one checkpoint; --resume-fallback chooses among the newest")
+        return 2
     resume = args.resume or args.resume_fallback or (args.auto_resume and _has_checkpoint(out))
     finished = False
     try:

@@ -69,7 +69,6 @@ from diffattn.train.config import (
     TrainConfig,
     check_runtime,
     dump_config,
-    yaml_error_text,
 )
 from diffattn.train.metrics import LambdaProbe, MetricsLogger, Progress, SpikeDetector
 from diffattn.train.optim import LRSchedule, build_optimizer
@@ -83,44 +82,21 @@ from diffattn.train.parallel import (
     parallelize,
     unwrap,
 )
+from diffattn.train.resume import (
+    CONFIG_COPY_NAME,
+    FACTORY_MARKER_NAME,
+    StartPlan,
+    plan_start,
+    set_aside,
+)
 
-CONFIG_COPY_NAME = "config.yaml"
 FACTORY_STATE_NAME = "model_state.safetensors"
 HF_WEIGHTS_NAME = "model.safetensors"
 """A Hugging Face factory model's weights, named as ``save_pretrained`` names them."""
-FACTORY_MARKER_NAME = "factory.json"
 TOKENIZER_DIRNAME = "tokenizer"
 # ModelConfig fields in which an ``init_from`` model may differ from the run's model: they change
 # no weight (RoPE's inverse frequencies are a buffer rebuilt from rope_theta, not saved).
 INIT_FREE_FIELDS = ("rope_theta", "max_seq_len")
-# Entries that must match the checkpoint for the data order to continue exactly.
-RESUME_FIXED_KEYS = ("data", "seq_len", "global_batch_size", "seed")
-# Entries that may change on resume without any effect on the numbers.
-RESUME_FREE_KEYS = frozenset(
-    {
-        "steps",
-        "log_every",
-        "eval_every",
-        "eval_batches",
-        "eval_batch_size",
-        "checkpoint_every",
-        "keep_last",
-        "tensorboard",
-        "wandb",
-        "wandb_project",
-        "run_name",
-        "device",
-        "dtype",
-        "compile",
-        "activation_checkpointing",
-        "parallel",
-        "tp",
-        "fsdp_init",
-        "micro_batch_size",
-        "spike_factor",
-        "spike_window",
-    }
-)
 
 
 class TrainingDiverged(RuntimeError):
@@ -239,152 +215,10 @@ def _plain(value: Any) -> float:
 
 
 # ----------------------------------------------------------------------------------------
-# resume planning (rank 0 decides, every rank learns the answer)
-def _own_fresh_run(out: Path, config: TrainConfig) -> bool:
-    """True when ``out`` is this run's own directory from a start that saved no checkpoint:
-    its ``config.yaml`` is the resolved recipe of ``config``."""
-    copy = out / CONFIG_COPY_NAME
-    try:
-        return copy.is_file() and copy.read_text(encoding="utf-8") == dump_config(config)
-    except (OSError, UnicodeDecodeError):
-        return False
-
-
-def _plan_output(config: TrainConfig, out: Path, overwrite: bool):
-    """The output-directory rule of a run that does not resume: ``(error or None, clear)``.
-
-    ``out`` must be absent or empty, or hold this same run's start without a checkpoint
-    (its ``config.yaml`` is this recipe), or be replaced with ``overwrite``. ``clear``: the
-    old contents are removed before the run writes anything."""
-    root = out / ckpt.CHECKPOINTS_DIRNAME
-    if not overwrite and out.is_dir() and ckpt.list_checkpoints(root):
-        return (
-            "out",
-            f"{out} already holds checkpoints; pass --resume to continue that run, "
-            "--overwrite to replace it, or choose another output directory",
-        ), False
-    try:
-        fileio.check_output_directory(
-            out,
-            overwrite,
-            own=_own_fresh_run(out, config),
-            hint="it holds files of another run; pass --resume to continue a run, "
-            "--overwrite to replace it, or choose another output directory",
-        )
-    except fileio.CheckpointError as error:
-        return ("out", str(error)), False
-    return None, out.is_dir() and any(out.iterdir())
-
-
-def _check_resume_candidate(path: Path, model_config: ModelConfig | None) -> str | None:
-    """Why the checkpoint ``path`` cannot be resumed from (its files are cut off or
-    unreadable), or ``None``; reads headers only, not the tensors."""
-    try:
-        ckpt.check_checkpoint_files(path, diffattn_model=model_config is not None)
-    except ValueError as error:
-        return str(error)
-    return None
-
-
-def _plan(
-    config: TrainConfig,
-    model_config: ModelConfig | None,
-    out: Path,
-    resume: bool,
-    overwrite: bool = False,
-    resume_fallback: bool = False,
-):
-    """``(checkpoint or None, error (key, message) or None, notes, clear output, fallback
-    messages)``.
-
-    ``model_config=None`` marks a ``model_factory`` run: its checkpoints hold a state dict,
-    not a diffattn model directory, and the other kind is refused."""
-    import yaml
-
-    root = out / ckpt.CHECKPOINTS_DIRNAME
-    if resume and overwrite:
-        return None, ("resume", "--resume and --overwrite exclude each other"), [], False, []
-    if not resume:
-        error, clear = _plan_output(config, out, overwrite)
-        return None, error, [], clear, []
-    found_all = [path for _, path in reversed(ckpt.list_checkpoints(root))]
-    if not found_all:
-        return (
-            None,
-            ("resume", f"no checkpoint found in {root}; start without --resume"),
-            [],
-            False,
-            [],
-        )
-    found, skipped = None, []
-    for candidate in found_all:
-        problem = _check_resume_candidate(candidate, model_config)
-        if problem is None:
-            found = candidate
-            break
-        if not resume_fallback:
-            message = (
-                f"the newest checkpoint is unusable: {problem}; pass --resume-fallback to "
-                "resume from the newest valid checkpoint instead"
-            )
-            return None, ("resume", message), [], False, []
-        skipped.append(f"skipped {candidate.name}: {problem}")
-    if found is None:
-        message = f"no valid checkpoint in {root}: " + "; ".join(skipped)
-        return None, ("resume", message), [], False, []
-    fallback = [*skipped, f"resuming from {found}"] if skipped else []
-    factory_checkpoint = (found / FACTORY_MARKER_NAME).is_file()
-    if (model_config is None) != factory_checkpoint:
-        kind = "a model_factory" if factory_checkpoint else "a preset"
-        return None, ("resume", f"the checkpoint {found} belongs to {kind} run"), [], False, []
-    if model_config is not None:
-        try:
-            saved_model = ckpt.read_checkpoint_model_config(found)
-        except ValueError as error:
-            return None, ("resume", str(error)), [], False, []
-        diffs = ckpt.model_config_differences(saved_model, model_config)
-        if diffs:
-            key = "model." + diffs[0].split(":", 1)[0]
-            message = f"the checkpoint {found} has a different model: " + "; ".join(diffs)
-            return None, (key, message), [], False, []
-    notes = []
-    saved_path = found / ckpt.CONFIG_YAML_NAME
-    if saved_path.is_file():
-        try:
-            saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
-            problem = yaml_error_text(error) if isinstance(error, yaml.YAMLError) else error
-            message = f"{saved_path}: not a readable YAML recipe ({problem})"
-            return None, ("resume", message), [], False, []
-        if not isinstance(saved, dict):
-            return None, ("resume", f"{saved_path}: not a recipe mapping"), [], False, []
-        now = config.to_dict()
-        for key in RESUME_FIXED_KEYS:
-            if key in saved and saved[key] != now[key]:
-                return (
-                    None,
-                    (
-                        key,
-                        f"differs from the checkpoint {found} ({saved[key]!r} there, "
-                        f"{now[key]!r} now); an exact resume needs the same data, seq_len, "
-                        "global_batch_size and seed",
-                    ),
-                    [],
-                    False,
-                    [],
-                )
-        for key in now:
-            checked = key in RESUME_FREE_KEYS or key in RESUME_FIXED_KEYS or key == "model"
-            if key in saved and not checked and saved[key] != now[key]:
-                notes.append(f"{key} changed since the checkpoint: {saved[key]!r} -> {now[key]!r}")
-    return found, None, notes, False, fallback
-
-
-# ----------------------------------------------------------------------------------------
 def train(
     config: TrainConfig,
     out_dir: str | Path,
-    resume: bool = False,
+    resume: bool | int = False,
     progress: bool = True,
     callbacks: Sequence[Callback] = (),
     data: Any | None = None,
@@ -397,7 +231,9 @@ def train(
     Args:
         config: a validated :class:`TrainConfig`.
         out_dir: run directory (``metrics.jsonl``, ``config.yaml``, ``checkpoints/``).
-        resume: continue from the newest checkpoint in ``out_dir`` (an error if none).
+        resume: ``True``: continue from the newest checkpoint in ``out_dir`` (an error if
+            none); a step (``int``): from that step's checkpoint, the newer ones set aside in
+            ``out_dir/superseded/`` (:mod:`diffattn.train.resume`).
         progress: show a progress bar and messages (rank 0).
         callbacks: called on every rank after each optimizer step with a :class:`StepState`.
         data: an already prepared dataset (``diffattn.data.prepare_data``'s result), e.g. to
@@ -417,7 +253,7 @@ def train(
     trainer = Trainer(
         config,
         out_dir,
-        resume=resume or resume_fallback,
+        resume=resume if resume is not False else resume_fallback,
         progress=progress,
         callbacks=callbacks,
         data=data,
@@ -450,7 +286,7 @@ class Trainer:
         config: TrainConfig,
         out_dir: str | Path,
         *,
-        resume: bool = False,
+        resume: bool | int = False,
         progress: bool = True,
         callbacks: Sequence[Callback] = (),
         data: Any | None = None,
@@ -460,7 +296,7 @@ class Trainer:
     ) -> None:
         self.config = config
         self.out = Path(out_dir)
-        self.resume = resume or resume_fallback
+        self.resume = resume if resume is not False else resume_fallback
         self.overwrite = overwrite
         self.resume_fallback = resume_fallback
         self.clear_output = False
@@ -532,7 +368,7 @@ class Trainer:
         self.device = distributed.resolve_device(config.device, env)
         distributed.init_process_group(env, self.device)
         plan = (
-            _plan(
+            plan_start(
                 config,
                 self.model_config,
                 self.out,
@@ -543,18 +379,19 @@ class Trainer:
             if self.main
             else None
         )
-        found, error, notes, clear, fallback = distributed.broadcast_object(plan)
-        if error is not None:
-            raise ConfigError(*error)
-        self.checkpoint_found = found
-        self.clear_output = clear
-        self.notes: list[str] = list(notes)
+        plan: StartPlan = distributed.broadcast_object(plan)
+        if plan.error is not None:
+            raise ConfigError(*plan.error)
+        self.checkpoint_found = plan.checkpoint
+        self.clear_output = plan.clear
+        self.superseded = plan.superseded
+        self.notes: list[str] = list(plan.notes)
         self.init_source = None
-        if found is None and config.init_from is not None:
+        if plan.checkpoint is None and config.init_from is not None:
             self.init_source, change = _check_init_from(Path(config.init_from), self.model_config)
             self.notes.append(f"starting from the weights of {self.init_source}{change}")
         if self.main:
-            for message in fallback:  # shown even with --quiet: the run differs from asked
+            for message in plan.messages:  # shown even with --quiet: the run differs from asked
                 print(f"diffattn train: {message}", file=sys.stderr, flush=True)
 
     def _build_data(self) -> None:
@@ -718,6 +555,7 @@ class Trainer:
                 fileio.clear_output_directory(out)
             out.mkdir(parents=True, exist_ok=True)
             fileio.remove_partial_writes(self.checkpoint_root)
+            self._continue_entries()
             (out / CONFIG_COPY_NAME).write_text(dump_config(config), encoding="utf-8")
             self.tokenizer_dir = _save_tokenizer_once(self.data.tokenizer, out / TOKENIZER_DIRNAME)
         self.logger = MetricsLogger(
@@ -913,7 +751,9 @@ class Trainer:
         if self.main:
             try:
                 trainer_state = self._trainer_state(optimizer_state, rank_states)
-                outcome = (str(self._write_checkpoint(model_state, trainer_state)), None)
+                written = self._write_checkpoint(model_state, trainer_state)
+                self._point_entries(written, final=step >= self.config.steps)
+                outcome = (str(written), None)
             except Exception as exc:  # every rank must learn about it
                 outcome = (None, f"{type(exc).__name__}: {exc}")
         path, failure = distributed.broadcast_object(outcome)
@@ -922,6 +762,25 @@ class Trainer:
         self.last_checkpoint = Path(path)
         self.last_saved_step = step
         return self.last_checkpoint
+
+    def _continue_entries(self) -> None:
+        """On a resume (rank 0): checkpoints after the resumed step go to ``superseded/``,
+        ``latest`` points at the resumed one, and ``final`` goes until the run reaches its new
+        last step."""
+        root, found = self.checkpoint_root, self.checkpoint_found
+        if found is None:
+            return
+        for moved in set_aside(self.out, self.superseded) if self.superseded else ():
+            self._say(f"note: set aside {moved}")
+        self._point_entries(found, final=False)
+        if self.step < self.config.steps:
+            ckpt.clear_entry(root, ckpt.FINAL_ENTRY)
+
+    def _point_entries(self, checkpoint: Path, final: bool) -> None:
+        """``latest`` (and, at the run's last step, ``final``) link to ``checkpoint``."""
+        ckpt.point_entry(self.checkpoint_root, ckpt.LATEST_ENTRY, checkpoint)
+        if final:
+            ckpt.point_entry(self.checkpoint_root, ckpt.FINAL_ENTRY, checkpoint)
 
     def _trainer_state(self, optimizer_state: dict, rank_states: list) -> dict[str, Any]:
         self.logger.flush()
