@@ -41,9 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model_dir",
         metavar="MODEL_DIR",
-        help="diffattn model directory, a diffattn train run (its final checkpoint, else its newest) or RUN@STEP, "
-        "or any other model directory diffattn loads (Hugging Face Llama/Qwen2/Mistral, a Dex "
-        "merge or adapter run), generated with transformers' generate",
+        help="diffattn model directory, a diffattn train run (its final checkpoint, else its "
+        "newest) or RUN@STEP, or any other model directory diffattn loads (Hugging Face "
+        "Llama/Qwen2/Mistral, a Dex merge or adapter run), generated with transformers' generate",
     )
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument(
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     from diffattn.generation import GenerationConfig, generate
     from diffattn.loading import training_run_checkpoint
 
-    # a training run (its final, else newest checkpoint) or RUN@STEP stands for that checkpoint's directory
+    # a training run (its final, else newest checkpoint) or RUN@STEP: that checkpoint
     model_dir = training_run_checkpoint(args.model_dir) or Path(args.model_dir)
     if not model_dir.exists():
         raise CheckpointError(f"{model_dir}: model directory not found")
