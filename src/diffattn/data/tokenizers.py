@@ -191,6 +191,8 @@ class HFTokenizer:
             "tokenizer_class": "PreTrainedTokenizerFast",
             "eos_token": self.eos_token,
             "bos_token": self.eos_token,
+            # padding=True needs a pad token; the attention mask hides it, so eos serves
+            "pad_token": self.eos_token,
             "unk_token": None,
             "add_bos_token": False,
             "add_eos_token": False,

@@ -357,6 +357,7 @@ _CONFIG_KEYS_POPPED = frozenset(
         "is_decoder",
         "add_cross_attention",
         "tokenizer_class",
+        "auto_map",
         "prefix",
         "task_specific_params",
         "finetuning_task",

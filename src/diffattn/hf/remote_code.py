@@ -1,0 +1,256 @@
+"""Hub remote code: ``modeling_diffattn.py``, generated from this package's own modules.
+
+A model directory written with it loads with ``AutoModelForCausalLM.from_pretrained(dir,
+trust_remote_code=True)`` on a machine that has transformers and no diffattn. The file cannot
+drift from the package because it is not written by hand and not checked in: it is generated
+each time a directory is exported (``diffattn convert MODEL OUT --to hub``), from the modules
+of the installed package:
+
+1. **Which modules.** Those the Hugging Face classes import (``diffattn.hf.configuration``,
+   ``diffattn.hf.modeling`` and every attention backend, whose registry finds them by listing
+   their package), followed through every ``import`` statement, module level or inside a
+   function (:func:`module_closure`), plus the data files of their packages (the CPU kernel's
+   C++ source). The package root becomes an empty package: it only re-exports.
+2. **Renamed, nothing else changed.** Each module is rewritten through its syntax tree:
+   ``diffattn`` becomes a private package name, ``_diffattn_<hash of the sources>``, in import
+   statements and in strings that name one of its submodules (``importlib.import_module``
+   arguments; the bare string ``"diffattn"`` is the model type and stays). The private name
+   lets an export of another diffattn version, or diffattn itself, live in the same process.
+3. **Embedded.** The renamed tree is a deterministic zip, base64 in the generated file. On
+   first import the file unpacks it beside itself (HF's module cache; a temporary directory if
+   that is read-only) and imports its classes from it; Hugging Face's import check reads only
+   the generated file, whose own imports are the standard library, torch and transformers.
+
+The classes the file exposes, ``DiffAttnConfig`` and ``DiffAttnForCausalLM``, are subclasses
+defined in the file itself, so ``save_pretrained`` of a loaded model copies the file along and
+its output loads the same way.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import hashlib
+import io
+import zipfile
+from pathlib import Path
+
+PACKAGE = "diffattn"
+ROOTS = ("diffattn.hf.configuration", "diffattn.hf.modeling")
+ROOT_PACKAGES = ("diffattn.attention.backends",)
+MODELING_FILE = "modeling_diffattn.py"
+AUTO_MAP = {
+    "AutoConfig": "modeling_diffattn.DiffAttnConfig",
+    "AutoModelForCausalLM": "modeling_diffattn.DiffAttnForCausalLM",
+}
+
+
+def _source_root() -> Path:
+    import diffattn
+
+    return Path(diffattn.__file__).resolve().parent.parent
+
+
+def _module_file(root: Path, name: str) -> Path | None:
+    base = root.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imported_modules(name: str, tree: ast.AST, root: Path) -> set[str]:
+    """The package modules ``tree`` (module ``name``) imports anywhere in its body."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == PACKAGE)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] != PACKAGE:
+                continue
+            found.add(node.module)
+            for alias in node.names:  # ``from diffattn.attention import backends``
+                if _module_file(root, f"{node.module}.{alias.name}") is not None:
+                    found.add(f"{node.module}.{alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise ValueError(f"{name}: relative imports are not vendored; use absolute ones")
+    return found
+
+
+def module_closure(root: Path | None = None) -> dict[str, Path]:
+    """``{module name: source file}`` of every package module the HF classes can import."""
+    root = root or _source_root()
+    todo = list(ROOTS)
+    for package in ROOT_PACKAGES:
+        directory = _module_file(root, package).parent
+        todo += [f"{package}.{p.stem}" for p in sorted(directory.glob("*.py"))]
+        todo = [name for name in todo if not name.endswith(".__init__")]
+    found: dict[str, Path] = {}
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        path = _module_file(root, name)
+        if path is None:
+            raise ValueError(f"{name}: imported by the Hugging Face classes but not found")
+        found[name] = path
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # parent packages
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        todo += sorted(_imported_modules(name, tree, root))
+    return dict(sorted(found.items()))
+
+
+def _renamed(source: str, modules: set[str], private: str) -> str:
+    """``source`` with the package name replaced by ``private`` in its import statements and
+    in string constants naming one of ``modules`` (column offsets are UTF-8 bytes)."""
+    tree = ast.parse(source)
+    edits: list[tuple[int, int]] = []  # (line, byte column) where "diffattn" starts
+    lines = [line.encode("utf-8") for line in source.splitlines(keepends=True)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] == PACKAGE:
+                edits.append((node.lineno, _after_keyword(lines[node.lineno - 1], node.col_offset)))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == PACKAGE:
+                    edits.append((alias.lineno, alias.col_offset))
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value in modules
+            and "." in node.value  # "diffattn" alone is the model type, not a module
+            and node.lineno == node.end_lineno
+        ):
+            edits.append((node.lineno, node.col_offset + 1))  # after the opening quote
+    for lineno, col in sorted(set(edits), reverse=True):
+        line = lines[lineno - 1]
+        if line[col : col + len(PACKAGE)] != PACKAGE.encode():  # pragma: no cover
+            raise ValueError(f"line {lineno}: expected {PACKAGE!r} at column {col}")
+        lines[lineno - 1] = line[:col] + private.encode() + line[col + len(PACKAGE) :]
+    return b"".join(lines).decode("utf-8")
+
+
+def _after_keyword(line: bytes, col: int) -> int:
+    """The column of the module name in ``from <module> import`` starting at ``col``."""
+    rest = line[col + len(b"from") :]
+    return col + len(b"from") + (len(rest) - len(rest.lstrip()))
+
+
+ROOT_INIT = '"""diffattn {version}, vendored as Hugging Face remote code (modeling_diffattn.py)."""'
+
+
+def vendored_archive() -> tuple[str, bytes]:
+    """``(private package name, zip bytes)`` of the renamed modules and their data files."""
+    from diffattn.version import __version__
+
+    root = _source_root()
+    closure = module_closure(root)
+    files: dict[str, bytes] = {}
+    for path in closure.values():
+        relative = path.relative_to(root / PACKAGE).as_posix()
+        files[relative] = path.read_bytes()
+        for data in sorted(path.parent.glob("csrc/*")) if path.name == "__init__.py" else ():
+            files[data.relative_to(root / PACKAGE).as_posix()] = data.read_bytes()
+    files["__init__.py"] = (ROOT_INIT.format(version=__version__) + "\n").encode()
+    digest = hashlib.sha256()
+    for relative in sorted(files):
+        digest.update(relative.encode() + b"\0" + files[relative] + b"\0")
+    private = f"_diffattn_{digest.hexdigest()[:12]}"
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for relative in sorted(files):
+            data = files[relative]
+            if relative.endswith(".py"):
+                data = _renamed(data.decode("utf-8"), set(closure), private).encode("utf-8")
+            info = zipfile.ZipInfo(f"{private}/{relative}", date_time=(2020, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            archive.writestr(info, data)
+    return private, buffer.getvalue()
+
+
+_TEMPLATE = '''"""Remote code for a diffattn model (DIFF Transformer V1, V2, or their baseline).
+
+Generated by ``diffattn convert MODEL OUT --to hub`` from diffattn {version}: the package's own
+modules, renamed to ``{private}`` and embedded below. Do not edit; export again instead.
+Loads with ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)``, with or
+without diffattn installed.
+"""
+
+import base64
+import importlib
+import importlib.util
+import io
+import os
+import shutil
+import sys
+import tempfile
+import zipfile
+
+PRIVATE_PACKAGE = "{private}"
+ARCHIVE = (
+{archive}
+)
+
+
+def _unpacked_at(parent):
+    target = os.path.join(parent, PRIVATE_PACKAGE)
+    if os.path.isfile(os.path.join(target, "__init__.py")):
+        return target
+    os.makedirs(parent, exist_ok=True)
+    holder = tempfile.mkdtemp(prefix="." + PRIVATE_PACKAGE + ".tmp-", dir=parent)
+    try:
+        zipfile.ZipFile(io.BytesIO(base64.b64decode("".join(ARCHIVE)))).extractall(holder)
+        try:
+            os.replace(os.path.join(holder, PRIVATE_PACKAGE), target)
+        except OSError:  # another process unpacked it first
+            if not os.path.isfile(os.path.join(target, "__init__.py")):
+                raise
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)
+    return target
+
+
+def _vendored_package():
+    if PRIVATE_PACKAGE in sys.modules:
+        return sys.modules[PRIVATE_PACKAGE]
+    try:
+        target = _unpacked_at(os.path.dirname(os.path.abspath(__file__)))
+    except OSError:  # a read-only module cache
+        target = _unpacked_at(os.path.join(tempfile.gettempdir(), "diffattn-remote-code"))
+    spec = importlib.util.spec_from_file_location(
+        PRIVATE_PACKAGE,
+        os.path.join(target, "__init__.py"),
+        submodule_search_locations=[target],
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[PRIVATE_PACKAGE] = package
+    spec.loader.exec_module(package)
+    return package
+
+
+_vendored_package()
+_configuration = importlib.import_module(PRIVATE_PACKAGE + ".hf.configuration")
+_modeling = importlib.import_module(PRIVATE_PACKAGE + ".hf.modeling")
+
+
+class DiffAttnConfig(_configuration.DiffAttnConfig):
+    """diffattn's ``DiffAttnConfig`` (see its docstring), defined here for the Auto classes."""
+
+
+class DiffAttnForCausalLM(_modeling.DiffAttnForCausalLM):
+    """diffattn's ``DiffAttnForCausalLM`` (see its docstring), defined here for the Auto
+    classes: ``save_pretrained`` copies this file along with the weights."""
+
+    config_class = DiffAttnConfig
+'''
+
+
+def modeling_file() -> str:
+    """The text of ``modeling_diffattn.py`` for the installed package."""
+    from diffattn.version import __version__
+
+    private, archive = vendored_archive()
+    text = base64.b64encode(archive).decode("ascii")
+    chunks = "\n".join(f'    "{text[i : i + 96]}"' for i in range(0, len(text), 96))
+    return _TEMPLATE.format(version=__version__, private=private, archive=chunks)

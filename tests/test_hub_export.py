@@ -1,0 +1,143 @@
+"""``diffattn convert MODEL OUT --to hub``: a directory that loads with
+``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` where diffattn is not
+installed, for all three types, with diffattn's own logits and greedy tokens, a tokenizer that
+pads, HF's caches in ``generate``, and ``save_pretrained`` that keeps the remote code.
+
+The default suite runs the loading side in a subprocess whose imports of diffattn fail;
+``.ci/run`` also runs it in a venv that has only torch and transformers
+(``DIFFATTN_HUB_PYTHON``, marker ``hub_venv``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from extras import require_extra
+
+pytestmark = require_extra("hf")
+
+from diffattn.cli import main as diffattn_main
+from diffattn.convert import convert
+from diffattn.hf import DiffAttnForCausalLM
+from helpers import ATTENTIONS
+from serve_helpers import save_tiny_model, word_tokenizer
+
+CHECK = Path(__file__).with_name("hub_remote_check.py")
+
+
+def remote_report(hub: Path, tmp_path: Path, python: str, block: bool) -> dict:
+    """The report of ``hub_remote_check.py`` run by ``python`` in a clean module cache."""
+    out = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_MODULES_CACHE")}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    command = [python, str(CHECK), str(hub), str(out), *(["--block-diffattn"] * block)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def expected(src: Path, report: dict) -> dict:
+    """diffattn's own logits and greedy tokens for the report's inputs."""
+    model = DiffAttnForCausalLM.from_pretrained(src).eval()
+    ids = torch.tensor(report["input_ids"])
+    mask = torch.tensor(report["attention_mask"])
+    with torch.no_grad():
+        logits = model(ids[:1]).logits[0]
+        generated = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False
+        )
+    return {"logits": logits, "generated": generated.tolist()}
+
+
+def check_against_diffattn(src: Path, report: dict) -> None:
+    assert report["diffattn_modules"] == []
+    assert report["model_class"].endswith("modeling_diffattn.DiffAttnForCausalLM")
+    assert report["pad_token"] == "<eos>"
+    want = expected(src, report)
+    torch.testing.assert_close(torch.tensor(report["logits"]), want["logits"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(report["reloaded_logits"]), want["logits"], rtol=0, atol=1e-6
+    )
+    assert report["generated"] == want["generated"]
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_hub_directory_loads_without_diffattn(attention, tmp_path):
+    src = save_tiny_model(attention, tmp_path / "src")
+    hub = convert(src, tmp_path / "hub", to="hub")
+    config = json.loads((hub / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_diffattn.DiffAttnForCausalLM"
+    assert config["pad_token_id"] == config["eos_token_id"] == 0
+    assert "auto_map" not in config.get("diffattn_extra_attributes", [])
+    report = remote_report(hub, tmp_path, sys.executable, block=True)
+    check_against_diffattn(src, report)
+
+
+@pytest.mark.hub_venv
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_hub_directory_in_a_venv_without_diffattn(attention, tmp_path):
+    """``.ci/run``: the interpreter of a venv with torch and transformers only."""
+    python = os.environ.get("DIFFATTN_HUB_PYTHON")
+    if not python:
+        pytest.skip("set DIFFATTN_HUB_PYTHON to a python without diffattn (.ci/run does)")
+    src = save_tiny_model(attention, tmp_path / "src")
+    hub = convert(src, tmp_path / "hub", to="hub")
+    check_against_diffattn(src, remote_report(hub, tmp_path, python, block=False))
+
+
+def test_convert_command_writes_hub_and_refuses_what_it_cannot(tmp_path, capsys):
+    src = save_tiny_model("diff_v2", tmp_path / "src")
+    assert diffattn_main(["convert", str(src), str(tmp_path / "hub"), "--to", "hub"]) == 0
+    assert (tmp_path / "hub" / "modeling_diffattn.py").is_file()
+    assert "-> hub" in capsys.readouterr().out
+    # an existing output is refused and left as it was
+    before = sorted(p.name for p in (tmp_path / "hub").iterdir())
+    assert diffattn_main(["convert", str(src), str(tmp_path / "hub"), "--to", "hub"]) == 2
+    assert "directory exists and is not empty" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "hub").iterdir()) == before
+    tokenizer = word_tokenizer()
+    hf_dir = tmp_path / "llama"
+    save_tiny_model("llama", hf_dir)
+    tokenizer.save_pretrained(hf_dir)
+    with pytest.raises(ValueError, match="convert it to diffattn first"):
+        convert(hf_dir, tmp_path / "x", to="hub")
+
+
+def test_remote_code_is_generated_from_the_installed_modules():
+    """The embedded tree is the package's modules with only the package name changed."""
+    import ast
+    import base64
+    import io
+    import zipfile
+
+    from diffattn.hf import remote_code
+
+    closure = remote_code.module_closure()
+    assert {"diffattn.hf.modeling", "diffattn.attention.backends.sdpa"} <= set(closure)
+    assert not any(name.startswith(("diffattn.train", "diffattn.eval")) for name in closure)
+    text = remote_code.modeling_file()
+    tree = ast.parse(text)
+    private = next(
+        n.value.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and n.targets[0].id == "PRIVATE_PACKAGE"
+    )
+    chunks = next(
+        n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "ARCHIVE"
+    )
+    archive = zipfile.ZipFile(io.BytesIO(base64.b64decode(ast.literal_eval(chunks))))
+    source = archive.read(f"{private}/attention/mask.py").decode()
+    original = closure["diffattn.attention.mask"].read_text()
+    assert source == original  # no import of the package: unchanged
+    modeling = archive.read(f"{private}/hf/modeling.py").decode()
+    assert modeling == closure["diffattn.hf.modeling"].read_text().replace(
+        "from diffattn.", f"from {private}."
+    ).replace("import diffattn.", f"import {private}.")
+    assert 'MODEL_TYPE = "diffattn"' in archive.read(f"{private}/checkpoint.py").decode()
+    assert remote_code.modeling_file() == text  # deterministic
