@@ -34,6 +34,8 @@ Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "fp32", "bf16"]
 Parallel = Literal["none", "ddp", "fsdp"]
 FsdpInit = Literal["rank0", "sharded"]
+ActivationCheckpointing = Literal["none", "full", "selective"]
+CheckpointFormat = Literal["auto", "full", "sharded"]
 
 DECAYS: tuple[str, ...] = get_args(Decay)
 DEVICES: tuple[str, ...] = get_args(Device)
@@ -190,15 +192,32 @@ class TrainConfig:
     seed: int = 0
     device: Device = "auto"
     dtype: Dtype = "auto"
-    """``auto``: bf16 autocast on CUDA, fp32 on CPU. ``bf16`` needs CUDA."""
+    """``auto``: bf16 autocast on CUDA, fp32 on CPU; ``bf16``: bf16 autocast on either (under
+    FSDP2 with ``fsdp_mixed_precision``, also bf16 parameters in compute and all-gathers)."""
     compile: bool = False
     """``torch.compile`` each decoder block."""
     document_masking: bool = False
     """Attend only within each document of a window (documents end with EOS; RoPE restarts and
     no loss target crosses a boundary), as packed fine-tuning does. ``false`` (the papers'
     pretraining, and the default) attends across the concatenated stream."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder block in backward (``torch.utils.checkpoint``, non-reentrant)."""
+    activation_checkpointing: ActivationCheckpointing | bool = "none"
+    """``full`` (or ``true``): recompute every decoder block in backward; ``selective``: see
+    ``selective_ac``; ``none`` (or ``false``): keep every activation
+    (:mod:`diffattn.train.activation_checkpointing`)."""
+    selective_ac: str | int = "op"
+    """With ``activation_checkpointing: selective``: ``op`` keeps the outputs of the matrix
+    multiplications and attention kernels and recomputes the element-wise work of every block;
+    an integer ``k`` recomputes every k-th block in full."""
+    fsdp_mixed_precision: bool = True
+    """Under FSDP2 with ``dtype: bf16`` (or ``auto`` on CUDA): parameters all-gathered and used
+    in bf16, gradients reduced in fp32, fp32 master weights and optimizer state
+    (``MixedPrecisionPolicy``); ``false`` all-gathers fp32 weights."""
+    checkpoint_format: CheckpointFormat = "auto"
+    """``full``: rank 0 gathers and writes one model directory per checkpoint; ``sharded``:
+    each rank writes its shards with DCP (:mod:`diffattn.train.sharded`); ``auto``: sharded
+    under FSDP2 (``parallel: fsdp``) for preset models, full otherwise."""
+    async_checkpoint: bool = False
+    """Sharded checkpoints only: write in the background while training continues."""
     parallel: Parallel = "none"
     tp: int = 1
     """Tensor-parallel degree: each model is split by KV groups over this many consecutive
@@ -271,6 +290,24 @@ class TrainConfig:
         """A validated copy with top-level ``changes``."""
         return TrainConfig.from_dict({**self.to_dict(), **changes})
 
+    def _validate_checkpointing(self) -> None:
+        """Activation checkpointing and checkpoint-format entries (normalises booleans)."""
+        if isinstance(self.activation_checkpointing, bool):
+            self.activation_checkpointing = "full" if self.activation_checkpointing else "none"
+        choice = self.selective_ac
+        if isinstance(choice, bool) or not (
+            choice == "op" or (isinstance(choice, int) and choice >= 1)
+        ):
+            raise ConfigError(
+                "selective_ac", f"expected 'op' or a block interval k >= 1, got {choice!r}"
+            )
+        if self.async_checkpoint and self.checkpoint_format == "full":
+            raise ConfigError(
+                "async_checkpoint",
+                "needs sharded checkpoints (checkpoint_format: sharded or auto under fsdp); "
+                "a full checkpoint is gathered and written by rank 0",
+            )
+
     # ------------------------------------------------------------------------------------
     @property
     def decay_horizon(self) -> int:
@@ -335,8 +372,7 @@ class TrainConfig:
             raise ConfigError("spike_factor", f"must be > 1, got {self.spike_factor}")
         if self.spike_window < 3:
             raise ConfigError("spike_window", f"must be >= 3, got {self.spike_window}")
-        if self.dtype == "bf16" and self.device == "cpu":
-            raise ConfigError("dtype", "bf16 autocast runs on CUDA only; use fp32 (or auto) on CPU")
+        self._validate_checkpointing()
         if self.parallel != "fsdp" and self.fsdp_init != "rank0":
             raise ConfigError("fsdp_init", "only applies to parallel: fsdp")
         self._validate_tp()
@@ -485,11 +521,6 @@ def check_runtime(config: TrainConfig, env: Any, cuda_available: bool | None = N
         cuda_available = torch.cuda.is_available()
     if config.device == "cuda" and not cuda_available:
         raise ConfigError("device", "cuda requested but CUDA is not available")
-    device_type = (
-        "cuda" if config.device == "cuda" or (config.device == "auto" and cuda_available) else "cpu"
-    )
-    if config.dtype == "bf16" and device_type != "cuda":
-        raise ConfigError("dtype", "bf16 autocast runs on CUDA only; this run is on CPU")
     if config.parallel != "none" and not env.launched:
         raise ConfigError(
             "parallel",
