@@ -29,7 +29,8 @@ from typing import Any, Literal, get_args, get_origin
 from diffattn import presets
 from diffattn.config import ATTENTION_TYPES, ModelConfig
 
-Decay = Literal["linear", "cosine", "constant"]
+Decay = Literal["linear", "cosine", "constant", "wsd"]
+DecayShape = Literal["linear", "cosine", "sqrt"]
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "fp32", "bf16"]
 Parallel = Literal["none", "ddp", "fsdp"]
@@ -38,6 +39,7 @@ ActivationCheckpointing = Literal["none", "full", "selective"]
 CheckpointFormat = Literal["auto", "full", "sharded"]
 
 DECAYS: tuple[str, ...] = get_args(Decay)
+DECAY_SHAPES: tuple[str, ...] = get_args(DecayShape)
 DEVICES: tuple[str, ...] = get_args(Device)
 DTYPES: tuple[str, ...] = get_args(Dtype)
 PARALLEL_MODES: tuple[str, ...] = get_args(Parallel)
@@ -141,18 +143,35 @@ class ModelSection:
 
 @dataclass
 class OptimSection:
-    """AdamW (Loshchilov & Hutter, 2019). Defaults: DIFF V1 Table 9 (3B recipe)."""
+    """The optimizer. Default: AdamW (Loshchilov & Hutter, 2019) with DIFF V1 Table 9 (3B).
 
+    ``name`` picks it (:mod:`diffattn.train.optim`): ``adamw``, any ``torch.optim`` class by
+    name (case-insensitive: ``sgd`` is ``torch.optim.SGD``), or ``muon``: ``torch.optim.Muon``
+    on the hidden 2-D matrices and AdamW on the rest.
+    """
+
+    name: str = "adamw"
+    """``adamw`` | ``muon`` | a ``torch.optim`` class name (``sgd``, ``adam``, ``rmsprop``...)."""
     lr: float = 3.2e-4
     """Peak learning rate (reached after warmup)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """Passed to a class that takes ``betas`` (muon: its AdamW part)."""
     eps: float = 1e-8
+    """Passed to a class that takes ``eps`` (muon: its AdamW part; Muon's own ``eps`` goes in
+    ``kwargs``)."""
     weight_decay: float = 0.1
-    """Decoupled decay on matrices; norms and DIFF V1's λ vectors are never decayed."""
+    """Decay on matrices; norms and DIFF V1's λ vectors are never decayed (decoupled in AdamW
+    and Muon, the class's own kind elsewhere)."""
     decay_embeddings: bool = True
     """Decay the token embedding too (the LM head, a projection, is always decayed)."""
     clip: float | None = 1.0
     """Max global gradient norm; ``null`` or 0 turns clipping off (the norm is still logged)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """More keyword arguments of the class (muon: of ``torch.optim.Muon``), e.g.
+    ``{momentum: 0.9}`` for SGD; a list is passed as a tuple."""
+    muon_lr_scale: float = 1.0
+    """muon only: Muon's learning rate is ``lr · muon_lr_scale`` (its AdamW part runs at
+    ``lr``)."""
 
 
 @dataclass
@@ -160,7 +179,9 @@ class ScheduleSection:
     """Learning-rate schedule: linear warmup, then decay to ``min_lr``.
 
     ``linear`` is DIFF V1's schedule (§3.1: 1000 warmup steps, then linear decay from 3.2e-4 to
-    1.28e-5); ``cosine`` decays along a half cosine; ``constant`` holds the peak.
+    1.28e-5); ``cosine`` decays along a half cosine; ``constant`` holds the peak; ``wsd``
+    (warmup-stable-decay) holds the peak and decays over the last ``decay_steps`` (or
+    ``decay_fraction`` of the horizon) along ``decay_shape``. Formulas: :class:`LRSchedule`.
     """
 
     warmup_steps: int = 0
@@ -170,6 +191,19 @@ class ScheduleSection:
     total_steps: int | None = None
     """Decay horizon; ``null`` means ``steps``. Set it to stop early and extend later with
     ``--resume`` on the same schedule."""
+    decay_steps: int | None = None
+    """wsd only: length of the final decay, ending at the horizon."""
+    decay_fraction: float | None = None
+    """wsd only, instead of ``decay_steps``: that length as a fraction of the horizon (rounded
+    to the nearest step, halves up)."""
+    decay_shape: DecayShape = "linear"
+    """wsd only: ``linear``, ``cosine`` or ``sqrt`` (1 − √p, Hägele et al. 2024)."""
+
+    def wsd_decay_steps(self, horizon: int) -> int:
+        """The steps of the final decay of ``wsd`` for a schedule of ``horizon`` steps."""
+        if self.decay_steps is not None:
+            return self.decay_steps
+        return math.floor(float(self.decay_fraction or 0.0) * horizon + 0.5)
 
 
 @dataclass
@@ -412,6 +446,14 @@ class TrainConfig:
             raise ConfigError("optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
         if o.clip is not None and not o.clip >= 0.0:
             raise ConfigError("optim.clip", f"must be >= 0 or null, got {o.clip}")
+        if not 0.0 < o.muon_lr_scale < math.inf:
+            raise ConfigError(
+                "optim.muon_lr_scale", f"must be a positive finite number, got {o.muon_lr_scale}"
+            )
+        _require_mapping(o.kwargs, "optim.kwargs")
+        from diffattn.train.optim import check_optimizer
+
+        check_optimizer(o)
 
     def _validate_schedule(self) -> None:
         s = self.schedule
@@ -429,6 +471,45 @@ class TrainConfig:
         if not 0.0 <= s.min_lr <= self.optim.lr:
             raise ConfigError(
                 "schedule.min_lr", f"must lie in [0, optim.lr={self.optim.lr}], got {s.min_lr}"
+            )
+        if s.decay == "wsd":
+            self._validate_wsd()
+            return
+        for name in ("decay_steps", "decay_fraction"):
+            if getattr(s, name) is not None:
+                raise ConfigError(f"schedule.{name}", "only applies to decay: wsd")
+        if s.decay_shape != "linear":
+            raise ConfigError(
+                "schedule.decay_shape", "only applies to decay: wsd (the shape of its last phase)"
+            )
+
+    def _validate_wsd(self) -> None:
+        """``decay: wsd``: one final decay of at least one step, after the warmup."""
+        s, horizon = self.schedule, self.decay_horizon
+        if s.decay_steps is None and s.decay_fraction is None:
+            raise ConfigError(
+                "schedule.decay_steps",
+                "decay: wsd needs decay_steps or decay_fraction (the length of the final decay)",
+            )
+        if s.decay_steps is not None and s.decay_fraction is not None:
+            raise ConfigError(
+                "schedule.decay_fraction", "set decay_steps or decay_fraction, not both"
+            )
+        key = "schedule.decay_steps" if s.decay_steps is not None else "schedule.decay_fraction"
+        if s.decay_steps is not None and s.decay_steps < 1:
+            raise ConfigError(key, f"must be >= 1, got {s.decay_steps}")
+        if s.decay_fraction is not None and not 0.0 < s.decay_fraction <= 1.0:
+            raise ConfigError(key, f"must lie in (0, 1], got {s.decay_fraction}")
+        steps = s.wsd_decay_steps(horizon)
+        if steps < 1:
+            raise ConfigError(
+                key, f"{s.decay_fraction} of the {horizon} steps of the schedule is 0 steps"
+            )
+        if steps > horizon - s.warmup_steps:
+            raise ConfigError(
+                key,
+                f"a final decay of {steps} steps overlaps the warmup: the schedule's {horizon} "
+                f"steps less {s.warmup_steps} warmup steps leave {horizon - s.warmup_steps}",
             )
 
 
@@ -694,6 +775,7 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
 __all__ = [
     "ATTENTION_TYPES",
     "DECAYS",
+    "DECAY_SHAPES",
     "DEVICES",
     "DTYPES",
     "PARALLEL_MODES",

@@ -1,0 +1,369 @@
+"""Trainer options: optimizers by name (torch.optim classes, Muon + AdamW), the WSD schedule,
+and recipe inheritance (``base:``), each with its errors and through ``diffattn train``."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from diffattn import DiffTransformerLM, ModelConfig
+from diffattn.train import ConfigError, LRSchedule, TrainConfig, parameter_groups
+from diffattn.train.config import OptimSection, ScheduleSection
+from diffattn.train.optim import CombinedOptimizer, build_optimizer, hidden_matrices
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
+from train_helpers import read_losses, tiny_recipe, train_cli, write_recipe
+
+pytestmark = [pytestmark, pytest.mark.usefixtures("one_thread")]
+
+
+def _model(attention: str = "diff_v1") -> DiffTransformerLM:
+    torch.manual_seed(0)
+    return DiffTransformerLM(
+        ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, attention=attention)
+    )
+
+
+def _optim(**settings) -> OptimSection:
+    return TrainConfig.from_dict({"optim": settings}).optim
+
+
+def _error(data, key: str, *fragments: str) -> str:
+    """``TrainConfig.from_dict(data)`` raises one ConfigError for ``key`` saying ``fragments``."""
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.from_dict(data)
+    message = str(info.value)
+    assert info.value.key == key and message.startswith(f"{key}: "), message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def _one_step(model: nn.Module, optimizer, seed: int) -> None:
+    torch.manual_seed(seed)
+    ids = torch.randint(0, 64, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _same_weights(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+# ----------------------------------------------------------------------------------------
+# optimizers by name
+def test_default_is_the_adamw_of_before():
+    model, twin = _model(), _model()
+    optimizer = build_optimizer(model, OptimSection())
+    assert type(optimizer) is torch.optim.AdamW
+    groups = parameter_groups(twin, 0.1, True)
+    before = torch.optim.AdamW(groups, lr=3.2e-4, betas=(0.9, 0.95), eps=1e-8)
+    assert len(optimizer.param_groups) == len(before.param_groups) == 2
+    for ours, theirs in zip(optimizer.param_groups, before.param_groups, strict=True):
+        assert {k: v for k, v in ours.items() if k != "params"} == {
+            k: v for k, v in theirs.items() if k != "params"
+        }
+        assert [p.shape for p in ours["params"]] == [p.shape for p in theirs["params"]]
+    for seed in range(3):
+        _one_step(model, optimizer, seed)
+        _one_step(twin, before, seed)
+    assert _same_weights(model, twin)
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [("sgd", "SGD"), ("SGD", "SGD"), ("Sgd", "SGD"), ("adam", "Adam"), ("rmsprop", "RMSprop")],
+)
+def test_torch_optimizers_by_name_case_insensitive(name, cls):
+    optimizer = build_optimizer(_model(), _optim(name=name))
+    assert type(optimizer) is getattr(torch.optim, cls)
+    decayed, kept = optimizer.param_groups
+    assert (decayed["weight_decay"], kept["weight_decay"]) == (0.1, 0.0)
+    assert decayed["lr_scale"] == kept["lr_scale"] == 1.0
+
+
+def test_betas_eps_and_kwargs_reach_the_class():
+    adam = build_optimizer(_model(), _optim(name="adam", betas=[0.8, 0.9], eps=1e-6))
+    assert adam.defaults["betas"] == (0.8, 0.9) and adam.defaults["eps"] == 1e-6
+    sgd = build_optimizer(_model(), _optim(name="sgd", kwargs={"momentum": 0.9, "nesterov": True}))
+    assert sgd.defaults["momentum"] == 0.9 and sgd.defaults["nesterov"] is True
+    assert "betas" not in sgd.defaults and "eps" not in sgd.defaults  # SGD takes neither
+    # a list in kwargs is passed as a tuple (YAML has no tuples)
+    factor = _optim(name="adafactor", kwargs={"eps": [None, 1e-3]})
+    assert build_optimizer(_model(), factor).defaults["eps"] == (None, 1e-3)
+
+
+def test_a_class_without_weight_decay_runs_with_weight_decay_zero():
+    optimizer = build_optimizer(_model(), _optim(name="rprop", weight_decay=0))
+    assert type(optimizer) is torch.optim.Rprop
+    assert all("weight_decay" not in group for group in optimizer.param_groups)
+
+
+@pytest.mark.parametrize(
+    ("optim", "key", "fragments"),
+    [
+        ({"name": "nope"}, "optim.name", ["unknown optimizer 'nope'", "muon", "sgd", "adamw"]),
+        ({"name": "lbfgs"}, "optim.name", ["LBFGS needs a closure"]),
+        ({"name": "SparseAdam"}, "optim.name", ["SparseAdam takes sparse gradients only"]),
+        ({"name": "sgd", "betas": [0.9, 0.98]}, "optim.betas", ["SGD takes no betas", "momentum"]),
+        ({"name": "sgd", "eps": 1e-6}, "optim.eps", ["SGD takes no eps; remove optim.eps"]),
+        ({"name": "adafactor", "eps": 1e-6}, "optim.eps", ["not a number", "optim.kwargs.eps"]),
+        ({"name": "rprop"}, "optim.weight_decay", ["Rprop takes no weight_decay", ": 0"]),
+        ({"name": "sgd", "muon_lr_scale": 2}, "optim.muon_lr_scale", ["only applies to"]),
+        ({"name": "muon", "muon_lr_scale": 0}, "optim.muon_lr_scale", ["positive finite"]),
+        ({"kwargs": [1]}, "optim.kwargs", ["expected a mapping"]),
+        ({"name": "sgd", "kwargs": {"foo": 1}}, "optim.kwargs.foo", ["no argument 'foo'"]),
+        ({"kwargs": {"amsgrad": True, "bar": 1}}, "optim.kwargs.bar", ["AdamW takes no"]),
+        ({"kwargs": {"lr": 1.0}}, "optim.kwargs.lr", ["passes lr itself; set optim.lr"]),
+        ({"kwargs": {"betas": [0, 0]}}, "optim.kwargs.betas", ["set optim.betas instead"]),
+        ({"kwargs": {"eps": 1.0}}, "optim.kwargs.eps", ["set optim.eps instead"]),
+        ({"kwargs": {"weight_decay": 0}}, "optim.kwargs.weight_decay", ["optim.weight_decay"]),
+        ({"kwargs": {"params": []}}, "optim.kwargs.params", ["passes params itself"]),
+        ({"name": "muon", "kwargs": {"betas": [0.9, 0.9]}}, "optim.kwargs.betas", ["Muon takes"]),
+        ({"name": "sgd", "kwargs": {"momentum": -1}}, "optim.kwargs.momentum", ["refuses"]),
+        (
+            {"name": "sgd", "kwargs": {"momentum": 0.9, "nesterov": True, "dampening": 0.5}},
+            "optim.kwargs.dampening",
+            ["SGD refuses it: Nesterov"],
+        ),
+        (
+            {"name": "muon", "kwargs": {"eps": 1e-6, "adjust_lr_fn": "bad"}},
+            "optim.kwargs.adjust_lr_fn",
+            ["Muon refuses it", "bad"],
+        ),
+    ],
+)
+def test_bad_optimizer_settings_are_one_error_naming_the_key(optim, key, fragments):
+    _error({"optim": optim}, key, *fragments)
+
+
+def test_muon_without_torch_muon_names_the_torch_version(monkeypatch):
+    monkeypatch.delattr(torch.optim, "Muon")
+    _error({"optim": {"name": "muon"}}, "optim.name", "torch.optim.Muon", torch.__version__)
+
+
+# ----------------------------------------------------------------------------------------
+# Muon + AdamW
+@pytest.mark.parametrize("attention", ["baseline", "diff_v1", "diff_v2"])
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(attention):
+    model = _model(attention)
+    optimizer = build_optimizer(model, _optim(name="Muon", muon_lr_scale=20.0))
+    assert isinstance(optimizer, CombinedOptimizer)
+    muon, adamw = optimizer
+    assert (type(muon), type(adamw)) == (torch.optim.Muon, torch.optim.AdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    in_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    in_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert in_muon | in_adamw == set(names.values()) and not in_muon & in_adamw
+    leaves = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    if attention == "diff_v2":
+        leaves.add("lambda_proj")
+    assert {n.split(".")[-2] for n in in_muon} == leaves
+    assert all(model.get_parameter(n).ndim == 2 for n in in_muon)
+    assert {"embed_tokens.weight", "lm_head.weight", "norm.weight"} <= in_adamw
+    assert [n for n, _ in hidden_matrices(model)] == sorted(in_muon, key=list(names.values()).index)
+    # the schedule reaches every group through lr_scale: Muon's at 20 × the base rate
+    LRSchedule(0.01, ScheduleSection(decay="constant"), 10).apply(optimizer, 1)
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.2, 0.01, 0.01])
+    assert muon.param_groups[0]["weight_decay"] == 0.1
+    assert [g["weight_decay"] for g in adamw.param_groups] == [0.1, 0.0]
+
+
+def test_muon_passes_kwargs_and_adamw_keeps_betas_and_eps():
+    optim = _optim(name="muon", betas=[0.8, 0.9], eps=1e-6, kwargs={"momentum": 0.9, "eps": 1e-5})
+    muon, adamw = build_optimizer(_model(), optim)
+    assert muon.defaults["momentum"] == 0.9 and muon.defaults["eps"] == 1e-5
+    assert adamw.defaults["betas"] == (0.8, 0.9) and adamw.defaults["eps"] == 1e-6
+
+
+def test_muon_needs_a_hidden_matrix():
+    model = nn.Sequential(nn.Embedding(8, 4))
+    with pytest.raises(ConfigError) as info:
+        build_optimizer(model, _optim(name="muon"))
+    assert info.value.key == "optim.name" and "no hidden matrices" in str(info.value)
+
+
+def test_the_combined_optimizer_state_dict_continues_exactly():
+    model, twin = _model(), _model()
+    optimizer = build_optimizer(model, _optim(name="muon"))
+    for seed in range(2):
+        _one_step(model, optimizer, seed)
+    state = optimizer.state_dict()
+    assert set(state) == {"state", "param_groups"}
+    ids = [i for g in state["param_groups"] for i in g["params"]]
+    assert ids == list(range(len(list(model.parameters()))))
+    assert len(optimizer.state) == len(ids)
+    twin.load_state_dict(model.state_dict())
+    other = build_optimizer(twin, _optim(name="muon"))
+    other.load_state_dict(copy.deepcopy(state))  # a state read back from disk shares nothing
+    for seed in (2, 3):
+        _one_step(model, optimizer, seed)
+        _one_step(twin, other, seed)
+    assert _same_weights(model, twin)
+    with pytest.raises(ValueError, match="parameter groups"):
+        other.load_state_dict({"state": {}, "param_groups": state["param_groups"][:1]})
+
+
+def test_the_combined_optimizer_goes_through_torch_distributed_checkpoint():
+    from diffattn.train.parallel import full_optimizer_state, load_full_optimizer_state
+
+    model, twin = _model(), _model()
+    optimizer = build_optimizer(model, _optim(name="muon"))
+    _one_step(model, optimizer, 0)
+    state = full_optimizer_state(model, optimizer)
+    assert "momentum_buffer" in state["state"]["layers.0.attn.q_proj.weight"]
+    assert "exp_avg" in state["state"]["embed_tokens.weight"]
+    twin.load_state_dict(model.state_dict())
+    other = build_optimizer(twin, _optim(name="muon"))
+    load_full_optimizer_state(twin, other, copy.deepcopy(state))
+    _one_step(model, optimizer, 1)
+    _one_step(twin, other, 1)
+    assert _same_weights(model, twin)
+
+
+def test_the_combined_optimizer_step_evaluates_a_closure_once():
+    model = _model()
+    optimizer = build_optimizer(model, _optim(name="muon"))
+    calls = []
+
+    def closure():
+        calls.append(1)
+        ids = torch.arange(8).view(1, 8)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    assert torch.isfinite(optimizer.step(closure)) and calls == [1]
+    assert "Muon, AdamW" in repr(optimizer)
+
+
+# ----------------------------------------------------------------------------------------
+# the WSD schedule
+def _wsd(shape: str = "linear", **settings) -> LRSchedule:
+    section = {"warmup_steps": 10, "decay": "wsd", "min_lr": 0.1, "decay_shape": shape}
+    section.update(settings or {"decay_steps": 20})
+    return LRSchedule(1.0, ScheduleSection(**section), 100)
+
+
+@pytest.mark.parametrize(
+    ("shape", "middle", "first"),
+    [
+        ("linear", 0.1 + 0.9 * 0.5, 0.1 + 0.9 * (1 - 1 / 20)),
+        ("cosine", 0.1 + 0.9 * 0.5, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 20))),
+        ("sqrt", 0.1 + 0.9 * (1 - math.sqrt(0.5)), 0.1 + 0.9 * (1 - math.sqrt(1 / 20))),
+    ],
+)
+def test_wsd_values_at_the_boundaries(shape, middle, first):
+    schedule = _wsd(shape)  # warmup 10, stable 11..80, decay 81..100 to 0.1
+    assert schedule(1) == pytest.approx(0.1)
+    assert schedule(10) == 1.0  # end of warmup
+    assert schedule(11) == schedule(50) == schedule(80) == 1.0  # stable: the peak
+    assert schedule(81) == pytest.approx(first)  # first step of the decay
+    assert schedule(90) == pytest.approx(middle)  # half way
+    assert schedule(100) == pytest.approx(0.1)  # end of the decay: the floor
+    assert schedule(101) == schedule(500) == pytest.approx(0.1)  # held after the horizon
+    values = [schedule(s) for s in range(80, 101)]
+    assert all(a > b for a, b in itertools.pairwise(values))
+
+
+def test_wsd_is_a_pure_function_of_the_step():
+    forward = _wsd("sqrt")
+    values = {s: forward(s) for s in range(1, 120)}
+    backward = _wsd("sqrt")
+    assert {s: backward(s) for s in reversed(range(1, 120))} == values
+    assert forward(85) == values[85]  # calling again changes nothing
+
+
+def test_wsd_decay_fraction_is_rounded_to_the_nearest_step():
+    assert _wsd(decay_fraction=0.2).decay_steps == 20
+    assert [_wsd(decay_fraction=0.2)(s) for s in range(1, 101)] == [
+        _wsd()(s) for s in range(1, 101)
+    ]
+    assert _wsd(decay_fraction=0.125).decay_steps == 13  # 12.5: halves up
+    assert _wsd(decay_fraction=0.114).decay_steps == 11  # 11.4
+
+
+def test_wsd_without_warmup_and_over_the_whole_horizon_is_the_linear_schedule():
+    wsd = LRSchedule(1.0, ScheduleSection(decay="wsd", decay_steps=50, min_lr=0.1), 50)
+    linear = LRSchedule(1.0, ScheduleSection(decay="linear", min_lr=0.1), 50)
+    assert [wsd(s) for s in range(1, 60)] == pytest.approx([linear(s) for s in range(1, 60)])
+
+
+def test_wsd_state_dict_names_its_decay_and_other_schedules_keep_theirs():
+    assert _wsd("cosine").state_dict()["decay_steps"] == 20
+    assert _wsd("cosine").describe_changes(_wsd("sqrt").state_dict()) == [
+        "decay_shape: 'sqrt' -> 'cosine'"
+    ]
+    linear = LRSchedule(1.0, ScheduleSection(warmup_steps=2), 10).state_dict()
+    assert set(linear) == {"peak", "warmup", "decay", "min_lr", "horizon"}
+
+
+def _schedule_error(section: dict, key: str, *fragments: str) -> None:
+    _error({"steps": 100, "schedule": section}, key, *fragments)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "fragments"),
+    [
+        ({"decay": "wsd"}, "schedule.decay_steps", ["needs decay_steps or decay_fraction"]),
+        (
+            {"decay": "wsd", "decay_steps": 5, "decay_fraction": 0.1},
+            "schedule.decay_fraction",
+            ["not both"],
+        ),
+        ({"decay": "wsd", "decay_steps": 0}, "schedule.decay_steps", ["must be >= 1, got 0"]),
+        ({"decay": "wsd", "decay_fraction": 0}, "schedule.decay_fraction", ["(0, 1], got 0"]),
+        ({"decay": "wsd", "decay_fraction": 1.5}, "schedule.decay_fraction", ["(0, 1]"]),
+        (
+            {"decay": "wsd", "decay_fraction": 0.001},
+            "schedule.decay_fraction",
+            ["0.001 of the 100 steps of the schedule is 0 steps"],
+        ),
+        (
+            {"decay": "wsd", "decay_steps": 95, "warmup_steps": 10},
+            "schedule.decay_steps",
+            ["95 steps overlaps the warmup", "leave 90"],
+        ),
+        ({"decay": "linear", "decay_steps": 5}, "schedule.decay_steps", ["only applies to"]),
+        ({"decay": "cosine", "decay_fraction": 0.1}, "schedule.decay_fraction", ["wsd"]),
+        ({"decay_shape": "sqrt"}, "schedule.decay_shape", ["only applies to decay: wsd"]),
+        (
+            {"decay": "wsd", "decay_steps": 5, "decay_shape": "exp"},
+            "schedule.decay_shape",
+            ["'linear', 'cosine', 'sqrt'"],
+        ),
+        ({"decay": "wsdx"}, "schedule.decay", ["'wsd'"]),
+    ],
+)
+def test_bad_wsd_settings_are_one_error_naming_the_key(section, key, fragments):
+    _schedule_error(section, key, *fragments)
+
+
+# ----------------------------------------------------------------------------------------
+# through `diffattn train`
+def test_muon_resume_repeats_the_uninterrupted_losses(tmp_path, data_cache):
+    """``--set optim.name=muon``: 8 steps vs 4 then ``--resume`` to 8, loss for loss."""
+    recipe = write_recipe(tmp_path / "tiny.yaml", tiny_recipe(data_cache))
+    muon = ["--set", "optim.name=muon", "--set", "optim.muon_lr_scale=5"]
+    a, b = tmp_path / "A", tmp_path / "B"
+    assert train_cli(str(recipe), "--steps", "8", "--out", str(a), *muon) == 0
+    assert train_cli(str(recipe), "--steps", "4", "--out", str(b), *muon) == 0
+    assert train_cli(str(recipe), "--steps", "8", "--out", str(b), "--resume", *muon) == 0
+    full, resumed = read_losses(a), read_losses(b)
+    assert sorted(resumed) == list(range(1, 9))
+    assert max(abs(full[s] - resumed[s]) for s in range(5, 9)) <= 1e-6
+    assert yaml.safe_load((a / "config.yaml").read_text())["optim"]["name"] == "muon"
+    from diffattn.train.checkpoint import load_trainer_state
+
+    state = load_trainer_state(a / "checkpoints" / "step-00000008")["optimizer"]["state"]
+    assert "momentum_buffer" in state["layers.0.attn.q_proj.weight"]
+    assert "exp_avg" in state["embed_tokens.weight"]
