@@ -13,8 +13,8 @@ import yaml
 from torch import nn
 
 from diffattn import DiffTransformerLM, ModelConfig
-from diffattn.train import ConfigError, LRSchedule, TrainConfig, parameter_groups
-from diffattn.train.config import OptimSection, ScheduleSection
+from diffattn.train import ConfigError, LRSchedule, TrainConfig, load_config, parameter_groups
+from diffattn.train.config import OptimSection, ScheduleSection, dump_config, read_recipe
 from diffattn.train.optim import CombinedOptimizer, build_optimizer, hidden_matrices
 from extras import require_extra
 
@@ -349,6 +349,116 @@ def test_bad_wsd_settings_are_one_error_naming_the_key(section, key, fragments):
 
 
 # ----------------------------------------------------------------------------------------
+# recipe inheritance
+def _write(path, data) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return str(path)
+
+
+def test_a_child_merges_over_its_base(tmp_path):
+    base = {
+        "model": {"preset": "tiny", "attention": "diff_v1", "n_layers": 4},
+        "data": {"sources": ["stdlib", "a.jsonl"], "tokenizer": "bpe:512"},
+        "optim": {"lr": 1e-3, "betas": [0.9, 0.98]},
+        "schedule": {"warmup_steps": 5, "total_steps": 50},
+        "steps": 20,
+    }
+    _write(tmp_path / "base.yaml", base)
+    child = {
+        "base": "base.yaml",
+        "model": {"n_layers": 2},  # a nested key replaces, its siblings stay
+        "data": {"sources": ["b.jsonl"]},  # a list replaces the whole list
+        "schedule": {"total_steps": None},  # null replaces too
+        "steps": 30,
+    }
+    merged = read_recipe(_write(tmp_path / "child.yaml", child))
+    assert merged == {
+        "model": {"preset": "tiny", "attention": "diff_v1", "n_layers": 2},
+        "data": {"sources": ["b.jsonl"], "tokenizer": "bpe:512"},
+        "optim": {"lr": 1e-3, "betas": [0.9, 0.98]},
+        "schedule": {"warmup_steps": 5, "total_steps": None},
+        "steps": 30,
+    }
+
+
+def test_bases_chain_and_resolve_from_each_recipe_directory(tmp_path, monkeypatch):
+    _write(tmp_path / "shared" / "root.yaml", {"steps": 10, "seed": 1, "seq_len": 64})
+    _write(tmp_path / "shared" / "mid.yaml", {"base": "root.yaml", "seed": 2})
+    leaf = _write(tmp_path / "runs" / "leaf.yaml", {"base": "../shared/mid.yaml", "steps": 12})
+    monkeypatch.chdir(tmp_path / "shared" / "..")  # the working directory plays no part
+    config = load_config(leaf, ["seed=3"])  # --set applies after the merge
+    assert (config.steps, config.seed, config.seq_len) == (12, 3, 64)
+    absolute = _write(tmp_path / "abs.yaml", {"base": str(tmp_path / "shared" / "mid.yaml")})
+    assert load_config(absolute).seed == 2
+
+
+def test_the_dumped_config_is_the_merged_recipe_without_base(tmp_path):
+    _write(tmp_path / "base.yaml", {"optim": {"lr": 1e-3, "weight_decay": 0.05}, "steps": 5})
+    child = _write(tmp_path / "c.yaml", {"base": "base.yaml", "optim": {"lr": 2e-3}})
+    dumped = yaml.safe_load(dump_config(load_config(child)))
+    assert "base" not in dumped
+    assert (dumped["optim"]["lr"], dumped["optim"]["weight_decay"], dumped["steps"]) == (
+        2e-3,
+        0.05,
+        5,
+    )
+
+
+def _load_error(path, key: str, *fragments: str, overrides=()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    message = str(info.value)
+    assert info.value.key == key and message.startswith(f"{key}: "), message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_a_cycle_of_bases_is_one_error_listing_the_chain(tmp_path):
+    a = _write(tmp_path / "a.yaml", {"base": "b.yaml"})
+    _write(tmp_path / "b.yaml", {"base": "c.yaml"})
+    _write(tmp_path / "c.yaml", {"base": "a.yaml"})
+    chain = " -> ".join(str(tmp_path / f"{n}.yaml") for n in "abca")
+    _load_error(a, "base", f"the recipes' bases form a cycle: {chain}")
+    itself = _write(tmp_path / "self.yaml", {"base": "./self.yaml"})
+    _load_error(itself, "base", f"cycle: {itself} -> {itself}")
+
+
+def test_a_missing_base_names_the_file_and_the_recipe_that_asked(tmp_path):
+    _write(tmp_path / "mid.yaml", {"base": "gone.yaml"})
+    child = _write(tmp_path / "child.yaml", {"base": "mid.yaml"})
+    _load_error(
+        child,
+        "base",
+        f"{tmp_path / 'mid.yaml'} names base: gone.yaml, but {tmp_path / 'gone.yaml'} does not",
+    )
+
+
+@pytest.mark.parametrize("value", [["a.yaml", "b.yaml"], 3, "", None, {"path": "a.yaml"}])
+def test_a_base_that_is_not_a_file_name_is_an_error(tmp_path, value):
+    path = _write(tmp_path / "r.yaml", {"base": value})
+    _load_error(path, "base", "expected the file name of a recipe", repr(value))
+
+
+def test_errors_in_a_base_file_name_that_file(tmp_path):
+    (tmp_path / "bad.yaml").write_text("steps: [1,\n", encoding="utf-8")
+    child = _write(tmp_path / "c.yaml", {"base": "bad.yaml"})
+    _load_error(child, "config", f"{tmp_path / 'bad.yaml'}: not valid YAML")
+    (tmp_path / "list.yaml").write_text("- 1\n", encoding="utf-8")
+    other = _write(tmp_path / "d.yaml", {"base": "list.yaml"})
+    _load_error(other, "config", "list.yaml: expected a mapping at the top level")
+    merged_error = _write(tmp_path / "e.yaml", {"base": "c2.yaml"})
+    _write(tmp_path / "c2.yaml", {"stepz": 3})  # a key error from the base still names the key
+    _load_error(merged_error, "stepz", "unknown key")
+
+
+def test_set_cannot_change_the_base(tmp_path):
+    path = _write(tmp_path / "r.yaml", {"steps": 3})
+    _load_error(path, "base", "--set cannot change it", overrides=["base=other.yaml"])
+
+
+# ----------------------------------------------------------------------------------------
 # through `diffattn train`
 def test_muon_resume_repeats_the_uninterrupted_losses(tmp_path, data_cache):
     """``--set optim.name=muon``: 8 steps vs 4 then ``--resume`` to 8, loss for loss."""
@@ -367,3 +477,28 @@ def test_muon_resume_repeats_the_uninterrupted_losses(tmp_path, data_cache):
     state = load_trainer_state(a / "checkpoints" / "step-00000008")["optimizer"]["state"]
     assert "momentum_buffer" in state["layers.0.attn.q_proj.weight"]
     assert "exp_avg" in state["embed_tokens.weight"]
+
+
+def test_wsd_and_base_through_the_cli(tmp_path, data_cache, capsys):
+    recipe = tiny_recipe(data_cache, steps=6, schedule={"warmup_steps": 1, "total_steps": 6})
+    (tmp_path / "recipes").mkdir()
+    write_recipe(tmp_path / "recipes" / "tiny.yaml", recipe)
+    child = _write(
+        tmp_path / "recipes" / "wsd.yaml",
+        {"base": "tiny.yaml", "optim": {"name": "sgd", "kwargs": {"momentum": 0.9}}},
+    )
+    out = tmp_path / "run"
+    sets = ["--set", "schedule.decay=wsd", "--set", "schedule.decay_steps=2"]
+    assert train_cli(child, "--out", str(out), "--set", "schedule.min_lr=3e-4", *sets) == 0
+    lines = (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    lrs = [yaml.safe_load(line)["lr"] for line in lines]
+    assert lrs == pytest.approx([3e-3, 3e-3, 3e-3, 3e-3, 3e-4 + 2.7e-3 / 2, 3e-4])
+    written = yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8"))
+    assert "base" not in written and written["optim"]["name"] == "sgd"
+    assert written["schedule"]["decay"] == "wsd" and written["model"]["d_model"] == 32
+    assert len(read_losses(out)) == 6
+    # a bad setting is exit code 2 with the one error, nothing trained
+    bad = ["--set", "schedule.decay=wsd"]
+    assert train_cli(child, "--out", str(tmp_path / "bad"), *bad) == 2
+    assert "error: schedule.decay_steps: decay: wsd needs" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()

@@ -1,8 +1,10 @@
 """Training configuration: one validated dataclass tree, read from a YAML recipe.
 
 A recipe (``configs/*.yaml``) is a mapping with the sections ``model``, ``data``, ``optim``
-and ``schedule`` plus top-level run settings; ``--set key.sub=value`` overrides any entry, the
-value being parsed as a YAML scalar (``--set optim.lr=3e-4``, ``--set model.n_layers=4``,
+and ``schedule`` plus top-level run settings. ``base: FILE`` builds it on another recipe (a
+path relative to the recipe's directory), whose mapping it deep-merges over
+(:func:`read_recipe`). ``--set key.sub=value`` then overrides any entry, the value being parsed
+as a YAML scalar (``--set optim.lr=3e-4``, ``--set model.n_layers=4``,
 ``--set optim.betas=[0.9,0.98]``).
 
 Everything is checked before any work starts. :func:`load_config` and
@@ -533,10 +535,60 @@ def yaml_error_text(error: Exception) -> str:
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Read a YAML recipe, apply ``key.sub=value`` overrides, validate."""
+    """Read a YAML recipe with its bases (:func:`read_recipe`), apply ``key.sub=value``
+    overrides, validate."""
+    return TrainConfig.from_dict(apply_overrides(read_recipe(path), overrides))
+
+
+BASE_KEY = "base"
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """The recipe at ``path`` as one mapping, its ``base:`` chain merged in.
+
+    ``base: FILE`` names another recipe, by a path relative to this recipe's directory (or an
+    absolute one). The base is read the same way (bases chain), then this recipe's mapping is
+    merged over it by :func:`merge_recipes`. The result holds no ``base`` key. A cycle, a
+    missing base or a ``base`` that is not a file name raises one :class:`ConfigError`
+    (key ``base``).
+    """
+    return _read_with_bases(Path(path), ())
+
+
+def merge_recipes(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    """``child`` over ``base``: where both hold a mapping under a key they merge key by key
+    (recursively); anything else in ``child`` (a scalar, a list, null) replaces the base's."""
+    out = dict(base)
+    for key, value in child.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_recipes(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_with_bases(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    """:func:`read_recipe` for ``path`` reached through the recipes of ``chain``."""
+    data = _read_recipe_file(path)
+    if BASE_KEY not in data:
+        return data
+    name = data.pop(BASE_KEY)
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(BASE_KEY, f"{path}: expected the file name of a recipe, got {name!r}")
+    base = path.parent / name
+    seen = [*chain, path]
+    if any(base.resolve() == earlier.resolve() for earlier in seen):
+        cycle = " -> ".join(str(p) for p in [*seen, base])
+        raise ConfigError(BASE_KEY, f"the recipes' bases form a cycle: {cycle}")
+    if not base.is_file():
+        raise ConfigError(BASE_KEY, f"{path} names base: {name}, but {base} does not exist")
+    return merge_recipes(_read_with_bases(base, tuple(seen)), data)
+
+
+def _read_recipe_file(path: Path) -> dict[str, Any]:
+    """The YAML mapping of one recipe file, as written (``base`` not resolved)."""
     import yaml
 
-    path = Path(path)
     if not path.is_file():
         raise ConfigError("config", f"{path}: no such file")
     try:
@@ -550,7 +602,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path}: expected a mapping at the top level")
-    return TrainConfig.from_dict(apply_overrides(data, overrides))
+    return data
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
@@ -570,6 +622,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
         except yaml.YAMLError as error:
             raise ConfigError(key, f"cannot parse {raw!r} ({yaml_error_text(error)})") from None
         parts = key.split(".")
+        if parts[0] == BASE_KEY:
+            raise ConfigError(
+                BASE_KEY, "is read from the recipe file before overrides; --set cannot change it"
+            )
         node = out
         for depth, part in enumerate(parts[:-1]):
             child = node.get(part)
@@ -788,4 +844,6 @@ __all__ = [
     "check_runtime",
     "dump_config",
     "load_config",
+    "merge_recipes",
+    "read_recipe",
 ]
