@@ -10,6 +10,8 @@ a restarted group finds the marker and trains on. Environment:
 * ``FAULT_AT``: ``after-step`` (default): after the optimizer step ``FAULT_STEP``, from a step
   callback; ``mid-save``: while writing the checkpoint of ``FAULT_STEP``, after the weights
   are in the temporary directory and before it is renamed (rank 0 writes checkpoints);
+  ``in-flight``: a sharded checkpoint of ``FAULT_STEP`` is about to be renamed into place
+  (its shards written, asynchronously or not) when the rank dies;
 * ``FAULT_RESUME_IF_CHECKPOINTED=1``: add ``--resume`` only when ``--out`` already holds a
   checkpoint, which is what a launcher script must decide while ``--resume`` refuses an
   output directory without checkpoints.
@@ -77,6 +79,20 @@ def _install_mid_save() -> None:
     checkpoint.write_model_files = write_model_files
 
 
+def _install_in_flight() -> None:
+    from diffattn.train import sharded
+
+    original = sharded.ShardedCheckpointer._commit
+
+    @functools.wraps(original)
+    def _commit(self):
+        if self.in_flight is not None and _fault_due(self.in_flight.step):
+            _die(self.in_flight.step)
+        return original(self)
+
+    sharded.ShardedCheckpointer._commit = _commit
+
+
 def _argv(argv: list[str]) -> list[str]:
     if os.environ.get("FAULT_RESUME_IF_CHECKPOINTED") != "1" or "--resume" in argv:
         return argv
@@ -87,8 +103,11 @@ def _argv(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if os.environ.get("FAULT_AT", "after-step") == "mid-save":
+    where = os.environ.get("FAULT_AT", "after-step")
+    if where == "mid-save":
         _install_mid_save()
+    elif where == "in-flight":
+        _install_in_flight()
     else:
         _install_after_step()
     from diffattn.train.cli import main as train_main

@@ -125,7 +125,11 @@ def test_train_checkpoints_need_resume_or_overwrite(recipe, tmp_path, capsys):
     (out / "stray.txt").write_text("from before")
     assert train_cli(recipe, "--out", str(out), "--overwrite") == 0
     assert not (out / "stray.txt").exists()
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "final",
+        "latest",
+        "step-00000002",
+    ]
 
 
 def test_train_restarts_its_own_run_that_saved_no_checkpoint(recipe, tmp_path):

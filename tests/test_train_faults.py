@@ -10,8 +10,6 @@ optimizer step or in the middle of writing a checkpoint.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,44 +19,13 @@ from extras import require_extra
 
 pytestmark = require_extra("train")
 
-from train_helpers import free_port, subprocess_env, tiny_recipe, write_recipe
+from train_helpers import fault_env, tiny_recipe, write_recipe
+from train_helpers import launch_with_faults as _launch
 
 pytestmark = [pytestmark, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
-FAULT_SCRIPT = Path(__file__).with_name("fault_train.py")
 STEPS = 6
 TOLERANCE = 1e-6  # CPU resume is exact (docs/training.md); DDP on gloo is deterministic
-
-
-def _launch(
-    recipe: Path,
-    out: Path,
-    extra: list[str],
-    env: dict[str, str],
-    restarts: int,
-    timeout: float = 300,
-) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--nnodes=1",
-        f"--max-restarts={restarts}",
-        # c10d rendezvous: each restart gets a fresh store (the static one keeps stale keys)
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "--rdzv-id=faults",
-        str(FAULT_SCRIPT),
-        str(recipe),
-        "--out",
-        str(out),
-        "--quiet",
-        *extra,
-    ]
-    return subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env={**subprocess_env(), **env}
-    )
 
 
 def _losses(out: Path) -> list[tuple[int, float]]:
@@ -94,7 +61,7 @@ def _check_resumed(result, out: Path, marker: Path, expected: list[tuple[int, fl
     worst = max(abs(a - b) for (_, a), (_, b) in zip(got, expected, strict=True))
     assert worst <= TOLERANCE, (worst, got, expected)
     assert not _partial_writes(out), _partial_writes(out)
-    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    checkpoints = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
     assert checkpoints == [f"step-{s:08d}" for s in range(2, STEPS + 1, 2)]
 
 
@@ -111,13 +78,7 @@ def test_killed_rank_resumes_and_reproduces_losses(tmp_path, reference, fault_at
     ``diffattn train --resume`` refuses an output directory without one."""
     recipe, expected = reference
     out, marker = tmp_path / "run", tmp_path / "fault-fired"
-    env = {
-        "FAULT_MARKER": str(marker),
-        "FAULT_AT": fault_at,
-        "FAULT_RANK": str(rank),
-        "FAULT_STEP": str(step),
-        "FAULT_RESUME_IF_CHECKPOINTED": "1",
-    }
+    env = fault_env(marker, fault_at, rank, step)
     result = _launch(recipe, out, [], env, restarts=1)
     _check_resumed(result, out, marker, expected)
 
@@ -127,11 +88,6 @@ def test_same_command_line_starts_and_resumes_under_restarts(tmp_path, reference
     starts fresh, the relaunch after the kill resumes from the checkpoint of step 2."""
     recipe, expected = reference
     out, marker = tmp_path / "run", tmp_path / "fault-fired"
-    env = {
-        "FAULT_MARKER": str(marker),
-        "FAULT_AT": "after-step",
-        "FAULT_RANK": "1",
-        "FAULT_STEP": "3",
-    }
+    env = fault_env(marker, "after-step", 1, 3, resume_if_checkpointed=False)
     result = _launch(recipe, out, ["--auto-resume"], env, restarts=1, timeout=120)
     _check_resumed(result, out, marker, expected)

@@ -182,7 +182,8 @@ def test_fsdp2_by_tp_on_four_processes_equals_one_process(tmp_path, data_cache):
     reference = tmp_path / "single"
     train(TrainConfig.from_dict(recipe), reference, progress=False)
     path = write_recipe(
-        tmp_path / "2d.yaml", {**recipe, "parallel": "fsdp", "tp": 2, "micro_batch_size": 2}
+        tmp_path / "2d.yaml",
+        {**recipe, "parallel": "fsdp", "tp": 2, "micro_batch_size": 2, "checkpoint_format": "full"},
     )
     out = tmp_path / "2d"
     result = torchrun([str(path), "--out", str(out), "--quiet"], nproc=4, timeout=600)

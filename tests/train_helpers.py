@@ -141,3 +141,51 @@ def train_cli(*argv: str) -> int:
     parser = argparse.ArgumentParser()
     train_command.add_arguments(parser)
     return train_command.run(parser.parse_args([*argv, "--quiet"]))
+
+
+FAULT_SCRIPT = Path(__file__).with_name("fault_train.py")
+
+
+def fault_env(
+    marker: Path, at: str, rank: int, step: int, resume_if_checkpointed: bool = True
+) -> dict[str, str]:
+    """The environment of ``fault_train.py``: rank ``rank`` dies once at ``step`` (``at``:
+    ``after-step``, ``mid-save`` or ``in-flight``), recorded in ``marker``."""
+    env = {"FAULT_MARKER": str(marker), "FAULT_AT": at, "FAULT_RANK": str(rank)}
+    env["FAULT_STEP"] = str(step)
+    if resume_if_checkpointed:
+        env["FAULT_RESUME_IF_CHECKPOINTED"] = "1"
+    return env
+
+
+def launch_with_faults(
+    recipe: Path,
+    out: Path,
+    extra: list[str],
+    env: dict[str, str],
+    restarts: int,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """``torchrun --max-restarts RESTARTS tests/fault_train.py RECIPE --out OUT`` on two CPU
+    processes (the fault comes from ``env``: see ``fault_train.py``)."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--nnodes=1",
+        f"--max-restarts={restarts}",
+        # c10d rendezvous: each restart gets a fresh store (the static one keeps stale keys)
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-id=faults",
+        str(FAULT_SCRIPT),
+        str(recipe),
+        "--out",
+        str(out),
+        "--quiet",
+        *extra,
+    ]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env={**subprocess_env(), **env}
+    )

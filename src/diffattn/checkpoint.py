@@ -116,6 +116,11 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
 def weight_files(directory: str | os.PathLike) -> list[Path]:
     """The safetensors files of a model directory, refusing pickle checkpoints."""
     directory = Path(directory)
+    if (directory / "sharded").is_dir() and not any(directory.glob("*.safetensors")):
+        raise CheckpointError(
+            f"{directory}: a sharded training checkpoint (DCP shards, no safetensors); write "
+            f"a model directory from it first: diffattn convert {directory} OUT"
+        )
     index = directory / WEIGHTS_INDEX_NAME
     if index.is_file():
         try:

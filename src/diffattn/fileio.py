@@ -219,25 +219,41 @@ def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False) -> Ite
     """
     out = Path(out_dir)
     check_output_directory(out, overwrite)
+    tmp = temporary_sibling(out)
+    try:
+        yield tmp
+        commit_directory(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def temporary_sibling(out: str | os.PathLike) -> Path:
+    """A new empty directory beside ``out`` named as :func:`remove_partial_writes` removes it:
+    the first phase of :func:`atomic_directory`, for writers that fill it in several
+    processes (sharded checkpoints) before :func:`commit_directory`."""
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out), dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; give the usual directory permissions
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}{OLD_MARKER}", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-        fsync_directory(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return tmp
+
+
+def commit_directory(tmp: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Flush ``tmp`` to disk and rename it to ``out``, replacing an existing ``out`` only
+    after the new one is complete (the second phase of :func:`atomic_directory`)."""
+    tmp, out = Path(tmp), Path(out)
+    _fsync_tree(tmp)
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}{OLD_MARKER}", dir=out.parent))
+        os.replace(out, old / out.name)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+    fsync_directory(out.parent)
 
 
 def remove_partial_writes(parent: str | os.PathLike) -> list[Path]:

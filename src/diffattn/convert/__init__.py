@@ -6,6 +6,8 @@ source             default output               other output (``to=``)
 ``hf-llama``       diffattn baseline            –
 ``hf-diffllama``   diffattn DIFF V1             –
 ``gguf``           diffattn baseline            ``hf-llama`` (the dequantised HF model)
+``diffattn-        diffattn (consolidated)      –
+sharded``
 ``diffattn``       – (``to`` is required)       ``hf-llama`` (baseline), ``hf-diffllama`` (V1),
                                                 ``hub`` (all three types; loads without
                                                 diffattn: :mod:`diffattn.convert.hub`)
@@ -40,12 +42,18 @@ __all__ = [
     "smollm2_path",
 ]
 
-_DEFAULT_TARGET = {"hf-llama": "diffattn", "hf-diffllama": "diffattn", "gguf": "diffattn"}
+_DEFAULT_TARGET = {
+    "hf-llama": "diffattn",
+    "hf-diffllama": "diffattn",
+    "gguf": "diffattn",
+    "diffattn-sharded": "diffattn",
+}
 _NAMES = {
     "hf-llama": "a Hugging Face Llama directory",
     "hf-diffllama": "a Hugging Face DiffLlama directory",
     "gguf": "a GGUF file",
     "diffattn": "a diffattn model directory",
+    "diffattn-sharded": "a sharded training checkpoint",
 }
 
 
@@ -66,6 +74,11 @@ def _check_target(kind: str, to: str | None) -> str:
             )
         return to
     allowed = {_DEFAULT_TARGET[kind]} | ({"hf-llama"} if kind == "gguf" else set())
+    if to in ("hub", "hf-llama", "hf-diffllama") and kind == "diffattn-sharded":
+        raise ValueError(
+            f"cannot convert {_NAMES[kind]} to {to!r} directly: convert it to diffattn first "
+            "(that consolidates its shards), then the diffattn directory"
+        )
     if to == "hub":
         raise ValueError(
             f"cannot convert {_NAMES[kind]} to 'hub': convert it to diffattn first, then "
@@ -115,6 +128,10 @@ def convert(
 
     from diffattn.convert import diffllama, llama
 
+    if kind == "diffattn-sharded":
+        from diffattn.train.sharded import consolidate
+
+        return consolidate(path, out, overwrite=overwrite, dtype=torch_dtype)
     if kind == "hf-llama":
         return llama.hf_llama_to_diffattn(path, out, overwrite=overwrite, dtype=torch_dtype)
     if kind == "hf-diffllama":

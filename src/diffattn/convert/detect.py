@@ -4,7 +4,8 @@ A directory is classified by the ``model_type`` of its ``config.json``:
 
 * ``llama`` → ``"hf-llama"`` (Hugging Face ``LlamaForCausalLM``),
 * ``diffllama`` → ``"hf-diffllama"`` (Hugging Face ``DiffLlamaForCausalLM``),
-* ``diffattn`` → ``"diffattn"`` (a diffattn model directory).
+* ``diffattn`` → ``"diffattn"`` (a diffattn model directory), or ``"diffattn-sharded"`` for
+  a sharded training checkpoint (DCP shards; converting it consolidates them).
 
 A ``.gguf`` file, or a directory without ``config.json`` that holds exactly one ``.gguf`` file,
 is ``"gguf"``. The word ``smollm2`` (when no such path exists) names the SmolLM2-135M-Instruct
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from diffattn.loading import resolve_source
 
-SOURCE_KINDS: tuple[str, ...] = ("hf-llama", "hf-diffllama", "diffattn", "gguf")
+SOURCE_KINDS: tuple[str, ...] = ("hf-llama", "hf-diffllama", "diffattn", "diffattn-sharded", "gguf")
 MODEL_TYPES = {"llama": "hf-llama", "diffllama": "hf-diffllama", "diffattn": "diffattn"}
 SUPPORTED = (
     "Hugging Face 'llama' (LlamaForCausalLM) and 'diffllama' (DiffLlamaForCausalLM) "
@@ -39,7 +40,10 @@ def resolve_convert_source(src: str | os.PathLike) -> tuple[str, Path]:
     if source.kind == "gguf":
         return "gguf", source.path
     if source.model_type in MODEL_TYPES:
-        return MODEL_TYPES[source.model_type], source.path
+        kind = MODEL_TYPES[source.model_type]
+        if kind == "diffattn" and (source.path / "sharded" / ".metadata").is_file():
+            kind = "diffattn-sharded"  # a sharded training checkpoint (diffattn.train.sharded)
+        return kind, source.path
     if source.kind == "dex":
         raise ValueError(
             f"{source.path}: a Dex adapter; merge it first (`diffattn dex merge`), since "

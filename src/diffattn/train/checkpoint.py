@@ -25,6 +25,7 @@ at the next start (:func:`diffattn.fileio.remove_partial_writes`).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -36,7 +37,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffattn.checkpoint import CheckpointError, read_config, write_model_files
+from diffattn.checkpoint import (
+    CONFIG_NAME,
+    CheckpointError,
+    config_to_json_dict,
+    read_config,
+    write_model_files,
+)
 from diffattn.config import ModelConfig
 from diffattn.fileio import TEMP_MARKER, atomic_directory, copy_tokenizer_files
 from diffattn.model import DiffTransformerLM
@@ -141,13 +148,29 @@ def save_checkpoint(
     skeleton.load_state_dict(model_state, strict=True, assign=True)
     with atomic_directory(final, overwrite=True) as tmp:
         write_model_files(skeleton, tmp)
-        state = {"format": FORMAT_VERSION, **trainer_state}
-        torch.save(to_safe(state), tmp / TRAINER_STATE_NAME)
-        (tmp / CONFIG_YAML_NAME).write_text(config_yaml, encoding="utf-8")
-        if tokenizer_dir is not None:
-            copy_tokenizer_files(tokenizer_dir, tmp)
+        write_run_files(tmp, trainer_state, config_yaml, tokenizer_dir)
     prune(root, keep_last)
     return final
+
+
+def write_run_files(
+    directory: Path,
+    trainer_state: dict[str, Any],
+    config_yaml: str,
+    tokenizer_dir: str | os.PathLike | None,
+    model_config: ModelConfig | None = None,
+) -> None:
+    """The files every checkpoint holds beside its weights: ``trainer_state.pt``,
+    ``train_config.yaml``, the tokenizer, and (``model_config``: for a checkpoint whose
+    weights are not a model directory's, a sharded one) ``config.json``."""
+    state = {"format": FORMAT_VERSION, **trainer_state}
+    torch.save(to_safe(state), directory / TRAINER_STATE_NAME)
+    (directory / CONFIG_YAML_NAME).write_text(config_yaml, encoding="utf-8")
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, directory)
+    if model_config is not None:
+        text = json.dumps(config_to_json_dict(model_config), indent=2, sort_keys=True)
+        (directory / CONFIG_NAME).write_text(text + "\n", encoding="utf-8")
 
 
 def check_checkpoint_files(checkpoint: str | os.PathLike, diffattn_model: bool = True) -> None:
@@ -165,10 +188,14 @@ def check_checkpoint_files(checkpoint: str | os.PathLike, diffattn_model: bool =
             archive.infolist()
     except (OSError, zipfile.BadZipFile) as error:
         raise CheckpointError(f"{state}: unreadable ({error})") from None
-    weights = sorted(checkpoint.glob("*.safetensors"))
-    if not weights:
-        raise CheckpointError(f"{checkpoint}: no .safetensors weights")
-    check_safetensors_files(weights)
+    if (checkpoint / "sharded").is_dir():  # diffattn.train.sharded: DCP writes .metadata last
+        if not (checkpoint / "sharded" / ".metadata").is_file():
+            raise CheckpointError(f"{checkpoint}/sharded: no .metadata (the save did not finish)")
+    else:
+        weights = sorted(checkpoint.glob("*.safetensors"))
+        if not weights:
+            raise CheckpointError(f"{checkpoint}: no .safetensors weights")
+        check_safetensors_files(weights)
     if diffattn_model:
         read_config(checkpoint)
 

@@ -1,5 +1,8 @@
 """Building the model for a run: activation checkpointing, compile, DDP or FSDP2.
 
+Activation checkpointing (full, every k-th block, or per operator) is
+:mod:`diffattn.train.activation_checkpointing`.
+
 Every model goes through :func:`build_model`, which applies, per decoder block, activation
 checkpointing and ``torch.compile`` and then :func:`parallelize`:
 
@@ -31,6 +34,7 @@ from torch import nn
 from diffattn.config import ModelConfig
 from diffattn.model import DiffTransformerLM, let_dynamo_skip_kernel_logs
 from diffattn.train import distributed
+from diffattn.train.activation_checkpointing import apply_activation_checkpointing
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -56,23 +60,6 @@ def decoder_blocks(model: nn.Module) -> nn.ModuleList:
     )
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each decoder block in backward (``torch.utils.checkpoint``, non-reentrant).
-
-    The block's ``forward`` is wrapped on the instance, so parameter names (and so checkpoints)
-    do not change.
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    for block in decoder_blocks(model):
-        inner = block.forward
-
-        def forward(*args: Any, _inner=inner, **kwargs: Any):
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-        block.forward = forward
-
-
 def apply_compile(model: nn.Module) -> None:
     """``torch.compile`` each decoder block in place (names unchanged): ours through
     :meth:`~diffattn.model.DiffTransformerLM.compile_blocks`, any other model's blocks
@@ -87,14 +74,21 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def parallelize(
-    model: nn.Module, mode: str, device: torch.device | None = None, mesh=None
+    model: nn.Module,
+    mode: str,
+    device: torch.device | None = None,
+    mesh=None,
+    mixed_precision: torch.dtype | None = None,
 ) -> nn.Module:
     """Wrap ``model`` for data parallelism: ``none``, ``ddp`` or ``fsdp`` (FSDP2).
 
     ``ddp`` expects the model on ``device``; ``fsdp`` shards each block of
     :func:`decoder_blocks` and then the root (the model may still be on the meta device; see
     :func:`build_model`) over ``mesh`` (default: every rank; the ``dp_shard`` dimension of a
-    2-D mesh when the model is also tensor-parallel).
+    2-D mesh when the model is also tensor-parallel). ``mixed_precision`` (``fsdp`` only):
+    the dtype parameters are all-gathered and computed in, gradients reduced in fp32, the
+    sharded master weights and the optimizer state staying fp32 (FSDP2's
+    ``MixedPrecisionPolicy``).
     """
     if mode == "none":
         return model
@@ -105,14 +99,17 @@ def parallelize(
         return DistributedDataParallel(model, device_ids=ids)
     if mode == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         device_type = device.type if device is not None else "cpu"
         if mesh is None:
             mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+        policy = MixedPrecisionPolicy(
+            param_dtype=mixed_precision, reduce_dtype=torch.float32 if mixed_precision else None
+        )
         for block in decoder_blocks(model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     raise ValueError(f"unknown parallel mode {mode!r}; choose none, ddp or fsdp")
 
@@ -124,8 +121,10 @@ def build_model(
     device: torch.device,
     seed: int,
     fsdp_init: str = "rank0",
-    activation_checkpointing: bool = False,
+    activation_checkpointing: str | bool = "none",
+    selective_ac: str | int = "op",
     compile: bool = False,
+    mixed_precision: torch.dtype | None = None,
     initial_state: dict[str, torch.Tensor] | None = None,
     load_initial_state: bool = False,
     tp: int = 1,
@@ -155,11 +154,12 @@ def build_model(
         from diffattn.train.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, tp_mesh)
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
+    if activation_checkpointing not in (False, "none"):
+        mode_ac = "full" if activation_checkpointing is True else activation_checkpointing
+        apply_activation_checkpointing(decoder_blocks(model), mode_ac, selective_ac)
     if compile:
         apply_compile(model)
-    wrapped = parallelize(model, mode, device, dp_mesh)
+    wrapped = parallelize(model, mode, device, dp_mesh, mixed_precision)
     if tp > 1 and mode != "fsdp" and load_initial_state:
         load_full_model_state(wrapped, initial_state)  # into the shards, from rank 0
     if mode == "fsdp":

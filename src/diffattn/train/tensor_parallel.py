@@ -182,11 +182,11 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
 def device_meshes(device_type: str, world_size: int, tp: int):
     """``(dp_mesh, tp_mesh)`` of a launch of ``world_size`` processes: a 2-D mesh
     ``(dp_shard, tp)`` with the ``tp`` ranks of a group consecutive (one node's GPUs share its
-    fast links); ``dp_mesh`` is ``None`` when ``tp`` is the whole world."""
+    fast links); ``dp_mesh`` has one rank when ``tp`` is the whole world (FSDP2 then shards
+    over that one rank, so ``parallel: fsdp`` with ``tp`` = world size runs, as pure TP)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if world_size % tp:
         raise ValueError(f"tp={tp} does not divide the world size {world_size}")
     mesh = init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp_shard", "tp"))
-    dp_mesh = mesh["dp_shard"] if world_size > tp else None
-    return dp_mesh, mesh["tp"]
+    return mesh["dp_shard"], mesh["tp"]

@@ -89,6 +89,7 @@ from diffattn.train.resume import (
     plan_start,
     set_aside,
 )
+from diffattn.train.sharded import ShardedCheckpointer, is_sharded, load_sharded
 
 FACTORY_STATE_NAME = "model_state.safetensors"
 HF_WEIGHTS_NAME = "model.safetensors"
@@ -202,9 +203,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def compute_dtype(device: torch.device, dtype: str) -> torch.dtype:
+    """The autocast dtype of a run: ``bf16``, or ``auto`` on CUDA, is bf16; else fp32."""
+    bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
+    return torch.bfloat16 if bf16 else torch.float32
+
+
 def _autocast(device: torch.device, dtype: str):
-    if device.type == "cuda" and dtype in ("auto", "bf16"):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+    if compute_dtype(device, dtype) == torch.bfloat16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -441,19 +448,35 @@ class Trainer:
     def _build_preset_model(self) -> nn.Module:
         config = self.config
         found = self.checkpoint_found or self.init_source
-        initial_state = ckpt.load_model_state(found) if (found and self.main) else None
+        # a sharded checkpoint is read into the built model's shards (_resume_from)
+        initial_state_needed = found is not None and not is_sharded(found)
+        initial_state = (
+            ckpt.load_model_state(found) if (initial_state_needed and self.main) else None
+        )
         return build_model(
             self.model_config,
             mode=config.parallel,
             device=self.device,
             seed=config.seed,
-            fsdp_init=config.fsdp_init,
+            fsdp_init="sharded"
+            if found is not None and not initial_state_needed
+            else config.fsdp_init,
             activation_checkpointing=config.activation_checkpointing,
+            selective_ac=config.selective_ac,
             compile=config.compile,
+            mixed_precision=self._mixed_precision(),
             initial_state=initial_state,
-            load_initial_state=found is not None,
+            load_initial_state=found is not None and initial_state_needed,
             tp=config.tp,
         )
+
+    def _mixed_precision(self) -> torch.dtype | None:
+        """FSDP2's parameter dtype (``fsdp_mixed_precision``), or ``None``: fp32 all-gathers."""
+        config = self.config
+        if config.parallel != "fsdp" or not config.fsdp_mixed_precision:
+            return None
+        dtype = compute_dtype(self.device, config.dtype)
+        return dtype if dtype != torch.float32 else None
 
     def _build_factory_model(self) -> nn.Module:
         """``model_factory()`` on every rank (the same seed, so the same weights), moved to the
@@ -465,7 +488,9 @@ class Trainer:
         if state is not None and mode != "fsdp":
             _load_factory_state(model, state, found)
         try:
-            wrapped = parallelize(model.to(self.device), mode, self.device)
+            wrapped = parallelize(
+                model.to(self.device), mode, self.device, mixed_precision=self._mixed_precision()
+            )
         except ValueError as error:  # FSDP2: no decoder blocks, or a parameter it cannot shard
             what, reason = type(model).__name__, str(error).rstrip(".")
             raise ConfigError(
@@ -506,8 +531,11 @@ class Trainer:
         """Optimizer, counters, spike detector, loader position and RNG of the checkpoint."""
         main = self.main
         state = ckpt.load_trainer_state(found) if main else None
-        optimizer_state = state.pop("optimizer") if main else None
-        load_full_optimizer_state(self.parallel_model, self.optimizer, optimizer_state)
+        if is_sharded(found):  # the model and optimizer shards, resharded to this launch
+            load_sharded(found, self.parallel_model, self.optimizer)
+        else:
+            optimizer_state = state.pop("optimizer") if main else None
+            load_full_optimizer_state(self.parallel_model, self.optimizer, optimizer_state)
         state = distributed.broadcast_object(state)
         self.step = int(state["step"])
         self.tokens = int(state["tokens"])
@@ -549,6 +577,9 @@ class Trainer:
         """The run directory (rank 0 writes), the metrics logger and the opening messages."""
         config, out = self.config, self.out
         self.checkpoint_root = out / ckpt.CHECKPOINTS_DIRNAME
+        self.sharded = None
+        if self._checkpoint_format() == "sharded":
+            self.sharded = ShardedCheckpointer(self.checkpoint_root, self.config.async_checkpoint)
         self.tokenizer_dir = None
         if self.main:
             if self.clear_output:  # overwrite, or a restart of this run that saved nothing
@@ -742,6 +773,8 @@ class Trainer:
                 step,
                 self.last_checkpoint,
             )
+        if self.sharded is not None:
+            return self._save_sharded(step)
         model_state = full_model_state(self.parallel_model)
         optimizer_state = full_optimizer_state(self.parallel_model, self.optimizer)
         rank_states = distributed.gather_objects(
@@ -763,6 +796,43 @@ class Trainer:
         self.last_saved_step = step
         return self.last_checkpoint
 
+    def _save_sharded(self, step: int) -> Path:
+        """Each rank writes its shards (:mod:`diffattn.train.sharded`); rank 0 the rest."""
+        rank_states = distributed.gather_objects(
+            {"rng": ckpt.capture_rng_state(), "loader": self.loader.state_dict()}
+        )
+
+        def write_small_files(tmp: Path) -> None:
+            state = self._trainer_state(None, rank_states)
+            state["sharded"] = True
+            config_yaml = dump_config(self.config)
+            ckpt.write_run_files(tmp, state, config_yaml, self.tokenizer_dir, self.model_config)
+
+        def finish(path: Path) -> None:
+            ckpt.prune(self.checkpoint_root, self.config.keep_last)
+            self._point_entries(path, final=step >= self.config.steps)
+
+        model, optimizer = self.parallel_model, self.optimizer
+        path = self.sharded.save(step, model, optimizer, write_small_files, finish)
+        self.last_checkpoint = path
+        self.last_saved_step = step
+        return path
+
+    def _checkpoint_format(self) -> str:
+        """``full`` or ``sharded`` (``auto``: sharded for preset models under FSDP2)."""
+        chosen = self.config.checkpoint_format
+        if chosen == "auto":
+            preset = self.model_factory is None
+            chosen = "sharded" if preset and self.config.parallel == "fsdp" else "full"
+        if chosen == "sharded" and self.model_factory is not None:
+            raise ConfigError(
+                "checkpoint_format",
+                "sharded checkpoints are for preset models, not a model_factory",
+            )
+        if self.config.async_checkpoint and chosen != "sharded":
+            raise ConfigError("async_checkpoint", "needs checkpoint_format: sharded")
+        return chosen
+
     def _continue_entries(self) -> None:
         """On a resume (rank 0): checkpoints after the resumed step go to ``superseded/``,
         ``latest`` points at the resumed one, and ``final`` goes until the run reaches its new
@@ -782,18 +852,21 @@ class Trainer:
         if final:
             ckpt.point_entry(self.checkpoint_root, ckpt.FINAL_ENTRY, checkpoint)
 
-    def _trainer_state(self, optimizer_state: dict, rank_states: list) -> dict[str, Any]:
+    def _trainer_state(self, optimizer_state: dict | None, rank_states: list) -> dict[str, Any]:
+        """What ``trainer_state.pt`` holds (the optimizer only when it is not sharded)."""
         self.logger.flush()
-        return {
+        state = {
             "step": self.step,
             "tokens": self.tokens,
             "world_size": self.world,
             "elapsed_s": self.elapsed_s,
-            "optimizer": optimizer_state,
             "schedule": self.schedule.state_dict(),
             "spikes": self.spikes.state_dict(),
             "rank_states": rank_states,
         }
+        if optimizer_state is not None:
+            state["optimizer"] = optimizer_state
+        return state
 
     def _write_checkpoint(self, model_state: dict, trainer_state: dict[str, Any]) -> Path:
         config = self.config
@@ -834,6 +907,8 @@ class Trainer:
             while self.step < self.config.steps and self.stopped is None:
                 state = self.train_step()
                 self._log_evaluate_save(state)
+            if self.sharded is not None:
+                self.sharded.wait()  # the last save in flight is renamed before the end
         finally:
             self.close()
         return self.result()
@@ -847,6 +922,8 @@ class Trainer:
         )
         if step % config.log_every == 0 or last or do_eval:
             self._log(state, do_eval)
+        if self.sharded is not None:
+            self.sharded.poll()  # an asynchronous save whose writes are done is renamed
         due = bool(config.checkpoint_every) and step % config.checkpoint_every == 0
         if (due or last) and step != self.last_saved_step:
             saved = self.save()
@@ -866,6 +943,7 @@ class Trainer:
             "grad_norm": state.grad_norm,
             "tokens": state.tokens,
             "tokens_per_s": self.tokens_per_step * len(window) / max(window_time, 1e-9),
+            **self._utilisation(self.tokens_per_step * len(window) / max(window_time, 1e-9)),
             "step_time_s": window_time / len(window),
             "elapsed_s": self.elapsed_s,
             "loss_spikes": self.spikes.count,
@@ -882,6 +960,24 @@ class Trainer:
         self.record = record
         self._window, self._window_time = [], 0.0
 
+    def _utilisation(self, tokens_per_s: float) -> dict[str, float]:
+        """``model_tflops_per_rank`` (the model's training FLOPs — forward plus backward, no
+        recomputation — per second and rank) and, on a device whose dense peak is known
+        (``diffattn.bench.hardware``), ``mfu``; nothing for ``model_factory`` models."""
+        if self.model_config is None or self.model_factory is not None:
+            return {}
+        from diffattn.bench.flops import flops_per_token
+        from diffattn.bench.hardware import device_name, mfu, peak_tflops
+
+        per_token = flops_per_token(self.model_config, self.config.seq_len).training
+        per_rank = tokens_per_s / self.world
+        out = {"model_tflops_per_rank": per_token * per_rank / 1e12}
+        dtype = "bf16" if compute_dtype(self.device, self.config.dtype) != torch.float32 else "fp32"
+        peak = peak_tflops(device_name(self.device.type), dtype)
+        if peak is not None:
+            out["mfu"] = mfu(per_token, per_rank, peak)
+        return out
+
     def _write(self, message: str) -> None:
         if self._bar is not None:
             self._bar.write(message)
@@ -892,7 +988,10 @@ class Trainer:
         return self.elapsed_before + (time.perf_counter() - self._t_start)
 
     def close(self) -> None:
-        """Restore the signal handlers, close the progress bar, the logger and the probe."""
+        """Restore the signal handlers, close the progress bar, the logger and the probe; a
+        sharded save still in flight here (the run failed) is dropped, never completed."""
+        if getattr(self, "sharded", None) is not None:
+            self.sharded.abandon()
         self._signals.restore()
         if self._bar is not None:
             self._bar.close()
