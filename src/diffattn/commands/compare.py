@@ -52,7 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--jobs",
         type=int,
         default=None,
-        help="runs trained side by side (default: one per CPU core, one thread each; 1 on CUDA)",
+        help="runs trained side by side (default: one per CPU core, one thread each; on CUDA one "
+        "per visible device, each worker on its own device, at most devices × --jobs-per-device)",
+    )
+    parser.add_argument(
+        "--jobs-per-device",
+        type=int,
+        default=1,
+        metavar="K",
+        help="CUDA only: let K runs share each device (default 1), so --jobs may reach devices × K",
     )
     parser.add_argument(
         "--no-eval",
@@ -112,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.quiet,
         jobs=args.jobs,
+        jobs_per_device=args.jobs_per_device,
         evaluate=args.evaluate,
         eval_settings=settings,
         part=args.part,

@@ -65,7 +65,10 @@ class CompareOptions:
     overwrite: bool = False
     progress: bool = True
     jobs: int | None = None
-    """Runs trained side by side (``None``: automatic, see :func:`resolve_jobs`)."""
+    """Runs trained side by side (``None``: automatic, see :func:`resolve_jobs`); on CUDA each
+    worker holds its own device (:mod:`diffattn.compare.devices`)."""
+    jobs_per_device: int = 1
+    """On CUDA, how many runs may share one device (``--jobs`` up to devices × this)."""
     evaluate: bool = True
     """Measure every trained model (:mod:`diffattn.compare.evaluate`) and judge the claims."""
     eval_settings: EvalSettings = field(default_factory=EvalSettings)
@@ -218,10 +221,12 @@ class _Job:
     eval_settings: EvalSettings
 
 
-def _train_and_measure(job: _Job) -> tuple[int, dict[str, Any], float]:
-    """Run ``job`` (in this process or a worker); returns (tokens, measurements, seconds)."""
+def _train_and_measure(job: _Job) -> tuple[int, dict[str, Any], float, str]:
+    """Run ``job`` (in this process or a worker) on the device the process holds (see
+    :mod:`diffattn.compare.devices`); returns (tokens, measurements, seconds, device)."""
     import torch
 
+    from diffattn.compare.devices import device_in_use
     from diffattn.compare.evaluate import evaluate_checkpoint
     from diffattn.data import prepare_data
     from diffattn.eval.common import resolve_device
@@ -230,6 +235,7 @@ def _train_and_measure(job: _Job) -> tuple[int, dict[str, Any], float]:
 
     if job.threads is not None:
         torch.set_num_threads(job.threads)
+    device = device_in_use(str(job.config.device))  # the trainer's "cuda" is this device
     started = time.perf_counter()
     prepared = prepare_data(job.config.data_config(), progress=False)  # cached by the parent
     resume = latest_checkpoint(job.run_dir / "checkpoints") is not None
@@ -243,29 +249,24 @@ def _train_and_measure(job: _Job) -> tuple[int, dict[str, Any], float]:
             job.run_dir,
             job.eval_settings,
             job.held_out,
-            device=resolve_device(str(job.config.device)),
+            device=device if device.startswith("cuda") else resolve_device(str(job.config.device)),
         )
-    return int(result.tokens), evals, time.perf_counter() - started
+    return int(result.tokens), evals, time.perf_counter() - started, device
 
 
-def resolve_jobs(jobs: int | None, runs: int, device: str) -> tuple[int, int | None]:
+def resolve_jobs(
+    jobs: int | None, runs: int, device: str, per_device: int = 1
+) -> tuple[int, int | None]:
     """(parallel runs, torch threads per run) for ``jobs`` (``None``: automatic).
 
-    Automatic: one run at a time on CUDA; on CPU one run per core, one thread each, as long as
-    there are runs: small models use cores far better side by side than through intra-op
-    threads."""
-    import os
+    Automatic: on CPU one run per core, one thread each, as long as there are runs: small
+    models use cores far better side by side than through intra-op threads; on CUDA one run per
+    visible device (``per_device`` runs per device), each worker on its own device
+    (:func:`diffattn.compare.devices.plan_workers`, which also names the devices)."""
+    from diffattn.compare.devices import plan_workers
 
-    import torch
-
-    if jobs is not None and jobs < 1:
-        raise ValueError(f"--jobs must be at least 1, got {jobs}")
-    if device not in ("cpu", "auto") or (device == "auto" and torch.cuda.is_available()):
-        return (jobs or 1), None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = max(1, cores or 1)
-    jobs = min(runs, jobs or cores)
-    return jobs, (max(1, cores // jobs) if jobs > 1 else None)
+    jobs, threads, _ = plan_workers(jobs, runs, device, per_device)
+    return jobs, threads
 
 
 def needle_settings_for(settings: EvalSettings, sources: Sequence[str]) -> EvalSettings:
@@ -293,12 +294,19 @@ def run_compare(options: CompareOptions) -> CompareResult:
     """Run the parts of the comparison ``options.part`` names: train every (attention, seed)
     run of the plan on the same data, measure every trained model, judge the claims and write
     the report."""
+    from diffattn.compare.devices import plan_workers
     from diffattn.fileio import use_plan_directory
 
     say = partial(print, flush=True) if options.progress else (lambda *a, **k: None)
     base, configs = plan_configs(options)
     recipe = Path(options.config) if options.config is not None else default_recipe()
     retrieval = retrieval_settings(options, read_recipe(recipe), str(base.device))
+    # --jobs against the devices, for both parts, before any file is written
+    if options.part in ("all", "retrieval"):
+        runs = retrieval.seeds * len(options.attentions)
+        plan_workers(options.jobs, runs, retrieval.device, options.jobs_per_device)
+    if options.part in ("all", "lm"):
+        plan_workers(options.jobs, len(configs), str(base.device), options.jobs_per_device)
     out = Path(options.out)
     plan = _plan_text(options, base, retrieval)
     use_plan_directory(out, PLAN_NAME, plan, options.overwrite, "a comparison")
@@ -310,7 +318,9 @@ def run_compare(options: CompareOptions) -> CompareResult:
         from diffattn.compare.retrieval_report import retrieval_section
 
         say("diffattn compare: the retrieval experiment")
-        per_type = run_all(out, retrieval, options.attentions, options.jobs, say)
+        per_type = run_all(
+            out, retrieval, options.attentions, options.jobs, say, options.jobs_per_device
+        )
         section = retrieval_section(out, retrieval, per_type)
     summaries: list[RunSummary] = []
     prepared = None
@@ -326,10 +336,13 @@ def _language_modelling(
     options: CompareOptions, base: Any, configs: dict, out: Path, say: Any
 ) -> tuple[list[RunSummary], Any]:
     """The language-modelling part: every run trained and measured; their summaries."""
+    from diffattn.compare.devices import holding, plan_workers
     from diffattn.compare.evaluate import held_out_windows
     from diffattn.data import prepare_data
 
-    jobs, threads = resolve_jobs(options.jobs, len(configs), str(base.device))
+    jobs, threads, devices = plan_workers(
+        options.jobs, len(configs), str(base.device), options.jobs_per_device
+    )
     say(f"diffattn compare: preparing data ({', '.join(base.data_config().sources)})")
     prepared = prepare_data(base.data_config(), progress=options.progress)
     held_out = None
@@ -353,36 +366,43 @@ def _language_modelling(
         )
         for (attention, seed), config in configs.items()
     ]
-    done: dict[int, tuple[int, dict[str, Any], float]] = {}
+    done: dict[int, tuple[int, dict[str, Any], float, str]] = {}
     if jobs == 1:
-        for index, job in enumerate(work, start=1):
-            say(f"\n[{index}/{len(work)}] {job.attention}, seed {job.seed} -> {job.run_dir}")
-            done[index - 1] = _train_and_measure(job)
+        with holding(devices[0] if devices else None):
+            for index, job in enumerate(work, start=1):
+                say(f"\n[{index}/{len(work)}] {job.attention}, seed {job.seed} -> {job.run_dir}")
+                done[index - 1] = _train_and_measure(job)
     else:
-        done = _run_parallel(work, jobs, threads, say)
+        done = _run_parallel(work, jobs, threads, say, devices)
 
     summaries: list[RunSummary] = []
     for index, job in enumerate(work):
-        tokens, evals, _ = done[index]
+        tokens, evals, _, device = done[index]
         result = SimpleNamespace(tokens=tokens)
         summary = summarise_run(job.attention, job.seed, job.config, job.run_dir, result)
         summary.evals = evals
+        summary.device = device
         summaries.append(summary)
     return summaries, prepared
 
 
-def _run_parallel(work: list[_Job], jobs: int, threads: int | None, say: Any) -> dict:
-    """Run the jobs in ``jobs`` worker processes, reporting each as it finishes."""
-    import multiprocessing
-    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+def _run_parallel(
+    work: list[_Job], jobs: int, threads: int | None, say: Any, devices: list[str] | None = None
+) -> dict:
+    """Run the jobs in ``jobs`` worker processes, reporting each as it finishes; with
+    ``devices`` (one per worker) each worker holds its own for its life
+    (:func:`diffattn.compare.devices.worker_pool`)."""
+    from concurrent.futures import FIRST_EXCEPTION, wait
 
+    from diffattn.compare.devices import worker_pool
+
+    on = f", on {', '.join(devices)}" if devices else ""
     say(
         f"training and measuring {len(work)} runs, {jobs} at a time "
-        f"({threads} thread{'s' if threads != 1 else ''} each)"
+        f"({threads} thread{'s' if threads != 1 else ''} each{on})"
     )
-    context = multiprocessing.get_context("spawn")
-    done: dict[int, tuple[int, dict[str, Any], float]] = {}
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+    done: dict[int, tuple[int, dict[str, Any], float, str]] = {}
+    with worker_pool(jobs, devices) as pool:
         futures = {pool.submit(_train_and_measure, job): i for i, job in enumerate(work)}
         pending = set(futures)
         try:
@@ -394,7 +414,7 @@ def _run_parallel(work: list[_Job], jobs: int, threads: int | None, say: Any) ->
                     job = work[index]
                     say(
                         f"[{len(done)}/{len(work)}] {job.attention}, seed {job.seed}: "
-                        f"{done[index][2]:.0f} s -> {job.run_dir}"
+                        f"{done[index][2]:.0f} s on {done[index][3]} -> {job.run_dir}"
                     )
         except BaseException:
             for future in pending:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,9 @@ class RunSummary:
     """(step, per-layer λ): DIFF V1's λ (Eq.2), DIFF V2's mean λ; empty for the baseline."""
     evals: dict[str, Any] = field(default_factory=dict)
     """The measurements of :mod:`diffattn.compare.evaluate` (empty when not evaluated)."""
+    device: str | None = None
+    """The device the run trained on in this invocation: ``cpu`` or ``cuda:i``, i counted among
+    the devices ``CUDA_VISIBLE_DEVICES`` exposes (:mod:`diffattn.compare.devices`)."""
 
 
 def summarise_run(attention: str, seed: int, config: Any, run_dir: Path, result: Any) -> RunSummary:
@@ -300,6 +305,7 @@ def write_report(
         "validation_noise": noise,
         "runs": [asdict(r) for r in runs],
         "elapsed_s": elapsed_s,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "data": asdict(stats) if hasattr(stats, "__dataclass_fields__") else str(stats),
         "tokenizer": getattr(getattr(prepared, "tokenizer", None), "name", None),
         "recipe": dump_config(base),
@@ -365,6 +371,7 @@ def write_report(
             "",
         ]
     lines += ["### Training", "", markdown_table(rows), ""]
+    lines += device_lines((r.attention, r.seed, r.device) for r in runs)
     lines += [
         "Validation loss here is the trainer's last evaluation "
         f"({base.eval_batches} held-out batches); train loss is the mean of the last 10% of "
@@ -386,6 +393,28 @@ def write_report(
             print(f"{NAMES.get(v.model, v.model):8} {v.claim.key:13} {v.measured():28} {v.verdict}")
     print(f"\nreport: {report}" + "".join(f"\nplot:   {out / p.name}" for p in plots))
     return report, plots
+
+
+def device_lines(runs: Iterable[tuple[str, int, str | None]]) -> list[str]:
+    """A markdown line naming the device of every (attention, seed, device) run, when any ran on
+    a device other than the CPU; ``[]`` otherwise."""
+    by_device: dict[str, list[str]] = {}
+    for attention, seed, device in runs:
+        by_device.setdefault(device or "unknown", []).append(
+            f"{NAMES.get(attention, attention)} seed {seed}"
+        )
+    if set(by_device) <= {"cpu", "unknown"}:
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    among = f" (indices among CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    cells = "; ".join(
+        f"`{d}`: {', '.join(names)}" for d, names in sorted(by_device.items(), key=_device_order)
+    )
+    return [f"Devices{among}: {cells}.", ""]
+
+
+def _device_order(item: tuple[str, Any]) -> tuple[int, str]:
+    return len(item[0]), item[0]  # cuda:2 before cuda:10
 
 
 def _json_default(value: Any) -> Any:

@@ -398,9 +398,11 @@ def fingerprint(settings: RetrievalSettings, attention: str, seed: int) -> str:
 
 
 def run_one(run: RetrievalRun) -> dict[str, Any]:
-    """Train and measure one run (in this process or a worker), reusing a cached result."""
+    """Train and measure one run (in this process or a worker, on the device the process
+    holds: :mod:`diffattn.compare.devices`), reusing a cached result."""
     import torch
 
+    from diffattn.compare.devices import device_in_use
     from diffattn.compare.evaluate import cached_results
     from diffattn.eval.common import resolve_device
     from diffattn.fileio import write_json
@@ -414,6 +416,8 @@ def run_one(run: RetrievalRun) -> dict[str, Any]:
     if cached is not None:
         return cached
     device = resolve_device(run.settings.device)
+    used = device_in_use(run.settings.device)
+    device = used if used.startswith("cuda") else device
     started = time.perf_counter()
     cpu_started = time.process_time()
     config = run.settings.model_config(run.attention)
@@ -431,6 +435,7 @@ def run_one(run: RetrievalRun) -> dict[str, Any]:
         train_seconds=train_seconds,
         seconds=time.perf_counter() - started,
         cpu_seconds=time.process_time() - cpu_started,
+        device=used,
     )
     cache.parent.mkdir(parents=True, exist_ok=True)
     write_json(cache, {"fingerprint": key, "results": results})
@@ -443,32 +448,34 @@ def run_all(
     attentions: tuple[str, ...],
     jobs: int | None = None,
     say: Any = print,
+    per_device: int = 1,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Every (attention, seed) run, ``jobs`` side by side; ``{attention: [results per seed]}``
-    with seeds ``0 .. settings.seeds - 1`` in order."""
-    from diffattn.compare import resolve_jobs
+    """Every (attention, seed) run, ``jobs`` side by side (on CUDA each worker on its own
+    device, ``per_device`` runs per device at most); ``{attention: [results per seed]}`` with
+    seeds ``0 .. settings.seeds - 1`` in order."""
+    from diffattn.compare.devices import holding, plan_workers, worker_pool
 
     runs = [
         RetrievalRun(a, seed, settings, Path(out) / "retrieval" / f"{a}-seed{seed}")
         for seed in range(settings.seeds)
         for a in attentions
     ]
-    jobs, threads = resolve_jobs(jobs, len(runs), settings.device)
+    jobs, threads, devices = plan_workers(jobs, len(runs), settings.device, per_device)
     for run in runs:
         run.threads = threads
-    say(f"retrieval: {len(runs)} runs, {jobs} at a time")
+    on = f" on {', '.join(devices)}" if devices else ""
+    say(f"retrieval: {len(runs)} runs, {jobs} at a time{on}")
     done: dict[int, dict[str, Any]] = {}
     if jobs == 1:
-        for index, run in enumerate(runs):
-            done[index] = run_one(run)
-            say(f"  [{index + 1}/{len(runs)}] {run.attention} seed {run.seed}: "
-                f"accuracy {done[index]['acc_mean']:.3f}")  # fmt: skip
+        with holding(devices[0] if devices else None):
+            for index, run in enumerate(runs):
+                done[index] = run_one(run)
+                say(f"  [{index + 1}/{len(runs)}] {run.attention} seed {run.seed}: "
+                    f"accuracy {done[index]['acc_mean']:.3f}")  # fmt: skip
     else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from concurrent.futures import as_completed
 
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        with worker_pool(jobs, devices) as pool:
             futures = {pool.submit(run_one, run): i for i, run in enumerate(runs)}
             for future in as_completed(futures):
                 index = futures[future]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.compare.plots import COLOURS, _pyplot
-from diffattn.compare.report import NAMES
+from diffattn.compare.report import NAMES, device_lines
 
 
 def _mean_sd(values: list[float], fmt: str) -> str:
@@ -113,6 +113,11 @@ def retrieval_section(
         "",
         *lambda_summary(per_type),
         "",
+        *device_lines(
+            (a, seed, r.get("device"))
+            for a, runs in per_type.items()
+            for seed, r in enumerate(runs)
+        ),
     ]
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     lines.append("")
