@@ -20,9 +20,11 @@ from extras import require_extra
 
 pytestmark = require_extra("train")
 
-from train_helpers import read_losses, tiny_recipe, train_cli, write_recipe
+from train_helpers import REPO, read_losses, tiny_recipe, train_cli, write_recipe
 
 pytestmark = [pytestmark, pytest.mark.usefixtures("one_thread")]
+
+CONFIGS = REPO / "configs"
 
 
 def _model(attention: str = "diff_v1") -> DiffTransformerLM:
@@ -456,6 +458,75 @@ def test_errors_in_a_base_file_name_that_file(tmp_path):
 def test_set_cannot_change_the_base(tmp_path):
     path = _write(tmp_path / "r.yaml", {"steps": 3})
     _load_error(path, "base", "--set cannot change it", overrides=["base=other.yaml"])
+
+
+# the recipes configs/paper-*.yaml before they were rewritten on paper-base.yaml (comments left
+# out): each must still resolve to the same TrainConfig
+_SCALING = """\
+model: {{preset: {preset}, attention: diff_v1}}
+data: {{sources: [data/corpus], tokenizer: 'tiktoken:cl100k_base', valid_fraction: 0.001,
+  max_bytes: null}}
+optim: {{lr: {lr}, betas: [0.9, 0.98], eps: 1.0e-08, weight_decay: 0.05, clip: 1.0}}
+schedule: {{warmup_steps: 375, decay: linear, min_lr: 0.0}}
+steps: 40000
+global_batch_size: 128
+micro_batch_size: {micro}
+seq_len: 2048
+seed: 0
+device: cuda
+dtype: bf16
+parallel: fsdp
+activation_checkpointing: {ac}
+compile: false
+log_every: 10
+eval_every: 1000
+eval_batches: 50
+checkpoint_every: 2000
+keep_last: 3
+tensorboard: false
+"""
+OLD_PAPER_RECIPES = {
+    "830m": _SCALING.format(preset="830M", lr=0.00015, micro=8, ac="false"),
+    "1.4b": _SCALING.format(preset="1.4B", lr=0.00015, micro=8, ac="false"),
+    "2.8b": _SCALING.format(preset="2.8B", lr=0.00015, micro=4, ac="true"),
+    "6.8b": _SCALING.format(preset="6.8B", lr=7.5e-05, micro=4, ac="true"),
+    "13.1b": _SCALING.format(preset="13.1B", lr=7.5e-05, micro=2, ac="true"),
+    "3b": """\
+model: {preset: 3B, attention: diff_v1}
+data: {sources: [data/corpus], tokenizer: 'tiktoken:cl100k_base', valid_fraction: 0.001,
+  max_bytes: null}
+optim: {lr: 0.00032, betas: [0.9, 0.95], eps: 1.0e-08, weight_decay: 0.1, clip: 1.0}
+schedule: {warmup_steps: 1000, decay: linear, min_lr: 1.28e-05}
+steps: 250000
+global_batch_size: 1024
+micro_batch_size: 4
+seq_len: 4096
+seed: 0
+device: cuda
+dtype: bf16
+parallel: fsdp
+activation_checkpointing: true
+compile: false
+log_every: 10
+eval_every: 1000
+eval_batches: 50
+checkpoint_every: 1000
+keep_last: 3
+tensorboard: false
+""",
+}
+
+
+@pytest.mark.parametrize("size", sorted(OLD_PAPER_RECIPES))
+def test_paper_recipes_resolve_as_before_their_rewrite(size):
+    path = CONFIGS / f"paper-{size}.yaml"
+    assert yaml.safe_load(path.read_text(encoding="utf-8"))["base"] == "paper-base.yaml"
+    before = TrainConfig.from_dict(yaml.safe_load(OLD_PAPER_RECIPES[size])).to_dict()
+    assert load_config(path).to_dict() == before
+
+
+def test_the_paper_base_alone_is_the_830m_recipe():
+    assert load_config(CONFIGS / "paper-base.yaml") == load_config(CONFIGS / "paper-830m.yaml")
 
 
 # ----------------------------------------------------------------------------------------
