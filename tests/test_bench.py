@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from diffattn import ModelConfig, count_parameters, presets
-from diffattn.bench import flops
+from diffattn import ModelConfig, count_parameters, flops, presets
 from diffattn.bench.throughput import (
     RECORD_FIELDS,
     LiveTensorBytes,
@@ -352,7 +351,7 @@ def test_decode_flops_average_the_keys_each_step_reads():
 
 
 def test_peak_table_and_override():
-    from diffattn.bench.hardware import mfu, peak_tflops
+    from diffattn.hardware import mfu, peak_tflops
 
     assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.4)
     assert peak_tflops("NVIDIA H100 PCIe", "bf16") == pytest.approx(756.0)

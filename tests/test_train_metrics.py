@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffattn import DiffTransformerLM, ModelConfig
-from diffattn.bench.flops import flops_per_token
+from diffattn.flops import flops_per_token
 from diffattn.train import TrainConfig, read_metrics, train
 from diffattn.train.metrics import LambdaProbe, SpikeDetector
 from extras import require_extra
@@ -55,7 +55,7 @@ def test_metrics_records_per_attention_type(tmp_path, data_cache, attention):
         assert record["tokens"] == record["step"] * 8 * 32
         assert record["tokens_per_s"] > 0 and record["grad_norm"] > 0
         assert isinstance(record["loss_spikes"], int)
-        # the model's training FLOPs (3x forward, diffattn.bench.flops) at that rate
+        # the model's training FLOPs (3x forward, diffattn.flops) at that rate
         flops = flops_per_token(config.model_config(), config.seq_len).training
         tflops = flops * record["tokens_per_s"] / 1e12
         assert record["model_tflops_per_rank"] == pytest.approx(tflops, rel=1e-9)

@@ -2,10 +2,10 @@
 
 * :mod:`diffattn.bench.throughput`: times baseline, DIFF V1 and DIFF V2 (and HF Llama /
   DiffLlama) interleaved in one run and measures each step's peak tensor memory.
-* :mod:`diffattn.bench.flops`: FLOPs per token from a config's projection shapes and the
-  best throughput ratio they allow.
+FLOPs per token and the best throughput ratio they allow are :mod:`diffattn.flops` (a core
+module: the trainer reports MFU with it), device peaks :mod:`diffattn.hardware`.
 """
 
-from diffattn.bench import flops, throughput
+from diffattn.bench import throughput
 
-__all__ = ["flops", "throughput"]
+__all__ = ["throughput"]

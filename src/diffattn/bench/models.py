@@ -27,14 +27,14 @@ import torch
 
 from diffattn.attention.kernels import resolve_backend
 from diffattn.bench.backends import auto_choice
-from diffattn.bench.flops import (
+from diffattn.cache import DynamicCache, StaticCache
+from diffattn.config import ModelConfig
+from diffattn.flops import (
     V1Form,
     decode_flops_per_token,
     flops_per_token,
     v1_form_for_kernel,
 )
-from diffattn.cache import DynamicCache, StaticCache
-from diffattn.config import ModelConfig
 from diffattn.generation import compiled_decode_step, decode_step, mark_static_cache
 from diffattn.model import DiffTransformerLM
 
@@ -68,7 +68,7 @@ class Candidate:
     cache: str = "static"
     """The KV cache ``decode`` uses: ``static`` or ``dynamic``."""
     v1_form: V1Form = "qk_once"
-    """How the kernel computes DIFF V1 (:func:`~diffattn.bench.flops.v1_form_for_kernel`)."""
+    """How the kernel computes DIFF V1 (:func:`~diffattn.flops.v1_form_for_kernel`)."""
     mode_kernels: dict[str, str] | None = None
     """The kernel of each mode when it differs by call (``auto`` resolves per call)."""
 

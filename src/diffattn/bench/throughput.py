@@ -16,7 +16,7 @@ alike; the median over the timed repetitions gives ``tokens/s = batch·N / media
 (``batch·new_tokens`` in decode), and ratios come from one run.
 
 ``--sweep`` repeats everything at several sequence lengths and ``--plot`` draws tokens/s
-against the length per mode (the analogue of Dex Fig 12). MFU (:mod:`diffattn.bench.hardware`)
+against the length per mode (the analogue of Dex Fig 12). MFU (:mod:`diffattn.hardware`)
 needs a known GPU or ``--peak-tflops``.
 
 Peak memory (one extra, untimed run per model and mode, at ``--mem-seq-len`` for ``fwd`` and
@@ -48,8 +48,6 @@ from torch.utils._pytree import tree_flatten
 from diffattn import presets
 from diffattn.attention.kernels import resolve_backend
 from diffattn.attention.registry import backend_names
-from diffattn.bench.flops import throughput_bound
-from diffattn.bench.hardware import device_name, mfu, peak_tflops
 from diffattn.bench.models import (
     DEX_ROWS,
     Candidate,
@@ -59,6 +57,8 @@ from diffattn.bench.models import (
     our_candidates,
 )
 from diffattn.config import ModelConfig
+from diffattn.flops import throughput_bound
+from diffattn.hardware import device_name, mfu, peak_tflops
 
 HEAD_DIM = 64
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
@@ -730,7 +730,7 @@ def _report(records, configs, candidates, args) -> str:
         MEMORY_NOTE[args.device]
         + (f"; fwd and fwd+bwd memory measured at N={mem_n}" if mem_n else ""),
         "FLOP bound = FLOPs(ref) / FLOPs(model) per token as each kernel computes them: the "
-        "best 'x ref' throughput possible (diffattn.bench.flops); MFU = model FLOPs x tokens/s "
+        "best 'x ref' throughput possible (diffattn.flops); MFU = model FLOPs x tokens/s "
         "/ peak (DIFF V1 counted with QK once)",
     ]
     for n in lengths_of(args):

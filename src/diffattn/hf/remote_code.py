@@ -46,9 +46,8 @@ AUTO_MAP = {
 
 
 def _source_root() -> Path:
-    import diffattn
-
-    return Path(diffattn.__file__).resolve().parent.parent
+    """The directory holding the ``diffattn`` package (this file is ``diffattn/hf/...``)."""
+    return Path(__file__).resolve().parents[2]
 
 
 def _module_file(root: Path, name: str) -> Path | None:

@@ -963,11 +963,11 @@ class Trainer:
     def _utilisation(self, tokens_per_s: float) -> dict[str, float]:
         """``model_tflops_per_rank`` (the model's training FLOPs — forward plus backward, no
         recomputation — per second and rank) and, on a device whose dense peak is known
-        (``diffattn.bench.hardware``), ``mfu``; nothing for ``model_factory`` models."""
+        (``diffattn.hardware``), ``mfu``; nothing for ``model_factory`` models."""
         if self.model_config is None or self.model_factory is not None:
             return {}
-        from diffattn.bench.flops import flops_per_token
-        from diffattn.bench.hardware import device_name, mfu, peak_tflops
+        from diffattn.flops import flops_per_token
+        from diffattn.hardware import device_name, mfu, peak_tflops
 
         per_token = flops_per_token(self.model_config, self.config.seq_len).training
         per_rank = tokens_per_s / self.world

@@ -1,7 +1,7 @@
 """Peak FLOP rates and model FLOPs utilisation (MFU) for ``diffattn bench``.
 
 ``MFU = model FLOPs per token × tokens/s ÷ peak FLOP/s``, with the model FLOPs of
-:mod:`diffattn.bench.flops` (DIFF V1 counted with QK once, whatever the kernel computes, so MFU
+:mod:`diffattn.flops` (DIFF V1 counted with QK once, whatever the kernel computes, so MFU
 measures useful work) and the dense peak of the device for the dtype the matmuls run in.
 
 The table holds the vendors' dense (no sparsity) peaks of a few data-centre GPUs; fp32 is the
