@@ -168,9 +168,16 @@ def test_a_sharded_save_is_refused_where_it_cannot_hold(tmp_path, data_cache):
     assert not (tmp_path / "out").exists()
 
 
-def test_one_process_sharded_save_and_resume(tmp_path, data_cache):
-    """``checkpoint_format: sharded`` works without torchrun too (one shard)."""
-    recipe = tiny_recipe(data_cache, steps=4, checkpoint_every=2, checkpoint_format="sharded")
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_one_process_sharded_save_and_resume(tmp_path, data_cache, optimizer):
+    """``checkpoint_format: sharded`` works without torchrun too (one shard), also for Muon's
+    two optimizers (their states are saved and resharded by parameter name)."""
+    if optimizer == "muon" and not hasattr(torch.optim, "Muon"):
+        pytest.skip(f"torch {torch.__version__} has no torch.optim.Muon")
+    recipe = tiny_recipe(
+        data_cache, steps=4, checkpoint_every=2, checkpoint_format="sharded",
+        optim={"name": optimizer, "lr": 3e-3},
+    )  # fmt: skip
     whole = train(TrainConfig.from_dict(recipe), tmp_path / "whole", progress=False)
     train(TrainConfig.from_dict({**recipe, "steps": 2}), tmp_path / "half", progress=False)
     assert is_sharded(tmp_path / "half" / "checkpoints" / "step-00000002")

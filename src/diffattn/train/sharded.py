@@ -30,7 +30,9 @@ in one process, for every command that loads models (``diffattn convert CHECKPOI
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,19 @@ METADATA_NAME = ".metadata"
 def is_sharded(checkpoint: str | Path) -> bool:
     """Whether ``checkpoint`` holds DCP shards (a ``sharded/`` directory with metadata)."""
     return (Path(checkpoint) / SHARDED_DIRNAME / METADATA_NAME).is_file()
+
+
+def _one_process() -> bool:
+    """No process group: DCP reads and writes as a single process (``no_dist``)."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it assumes one process even when told so (``no_dist``); it is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -76,9 +91,9 @@ def load_sharded(
     )
 
     states = _states(model, optimizer)
-    one_process = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     target = str(Path(checkpoint) / SHARDED_DIRNAME)
-    dcp.load(states, checkpoint_id=target, no_dist=one_process)
+    with _quiet_single_process():
+        dcp.load(states, checkpoint_id=target, no_dist=_one_process())
     set_model_state_dict(model, states["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, states["optim"])
@@ -128,9 +143,12 @@ class ShardedCheckpointer:
         states = _states(model, optimizer)
         target = str(tmp / SHARDED_DIRNAME)
         if self.asynchronous:
-            future = dcp.async_save(states, checkpoint_id=target, process_group=self._gloo())
+            future = dcp.async_save(
+                states, checkpoint_id=target, process_group=self._gloo(), no_dist=_one_process()
+            )
         else:
-            dcp.save(states, checkpoint_id=target)
+            with _quiet_single_process():
+                dcp.save(states, checkpoint_id=target, no_dist=_one_process())
             future = None
         if distributed.is_main_rank():
             write_small_files(tmp)
