@@ -135,7 +135,6 @@ def test_paper_13b_is_about_13_billion_parameters():
         ),
         ({"schedule": {"min_lr": 1.0}}, "schedule.min_lr"),
         ({"seq_len": 128}, "seq_len"),
-        ({"device": "cpu", "dtype": "bf16"}, "dtype"),
         ({"model": {"preset": "7B"}}, "model.preset"),
         ({"model": {"preset": "tiny", "attention": "diff_v3"}}, "model.attention"),
         ({"model": {"preset": "tiny", "n_heads": 3}}, "model.n_heads"),

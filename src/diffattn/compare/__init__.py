@@ -90,24 +90,11 @@ def default_recipe() -> Path:
 
 
 def read_recipe(path: Path) -> dict[str, Any]:
-    """The recipe at ``path`` as a mapping; ``ConfigError`` names what is wrong."""
-    import yaml
+    """The recipe at ``path`` as a mapping, its ``base:`` chain merged in
+    (:func:`diffattn.train.config.read_recipe`); ``ConfigError`` names what is wrong."""
+    from diffattn.train.config import read_recipe as read_training_recipe
 
-    from diffattn.train import ConfigError
-    from diffattn.train.config import yaml_error_text
-
-    if not path.is_file():
-        raise ConfigError("config", f"{path}: no such file")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError("config", f"{path}: cannot be read ({error})") from None
-    except yaml.YAMLError as error:
-        raise ConfigError("config", f"{path}: not valid YAML, {yaml_error_text(error)}") from None
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ConfigError("config", f"{path}: expected a mapping at the top level")
-    return data
+    return read_training_recipe(path)
 
 
 def retrieval_settings(options: CompareOptions, recipe: dict[str, Any], device: str):
