@@ -34,7 +34,7 @@ from diffattn.dex.train import (
     train_dex,
 )
 from diffattn.train import read_metrics
-from diffattn.train.trainer import FACTORY_STATE_NAME
+from diffattn.train.factory import FACTORY_STATE_NAME
 from helpers import word_corpus
 
 STEPS = 4
