@@ -22,14 +22,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, get_args
 
 from diffattn import presets
 from diffattn.config import ATTENTION_TYPES, ModelConfig
+from diffattn.train.fields import ConfigError, _build_dataclass, _require_mapping
+from diffattn.train.recipe_files import (  # re-exported: the recipe API lives here too
+    BASE_KEY,
+    apply_overrides,
+    merge_recipes,
+    read_recipe,
+    yaml_error_text,
+)
+from diffattn.train.runtime import check_runtime
 
 Decay = Literal["linear", "cosine", "constant", "wsd"]
 DecayShape = Literal["linear", "cosine", "sqrt"]
@@ -53,14 +60,6 @@ _MODEL_FIELDS = tuple(
 # The model section's own keys, beside the ModelConfig fields.
 _MATCH_KEYS = ("match_multiple_of", "match_params")
 _SECTION_KEYS = ("preset", "attention", *_MATCH_KEYS)
-
-
-class ConfigError(ValueError):
-    """An invalid training setting. ``key`` is the dotted name of the entry at fault."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}")
-        self.key = key
 
 
 # ----------------------------------------------------------------------------------------
@@ -515,127 +514,10 @@ class TrainConfig:
             )
 
 
-# ----------------------------------------------------------------------------------------
-# loading
-def yaml_error_text(error: Exception) -> str:
-    """A YAML parse error on one line: ``line L, column C: problem (context at line ...)``."""
-    mark = getattr(error, "problem_mark", None)
-    problem = " ".join(str(getattr(error, "problem", None) or error).split())
-    text = problem if mark is None else f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
-    context = getattr(error, "context", None)
-    if context:
-        context_mark = getattr(error, "context_mark", None)
-        where = (
-            f" at line {context_mark.line + 1}, column {context_mark.column + 1}"
-            if context_mark is not None
-            else ""
-        )
-        text += f" ({' '.join(context.split())}{where})"
-    return text
-
-
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Read a YAML recipe with its bases (:func:`read_recipe`), apply ``key.sub=value``
     overrides, validate."""
     return TrainConfig.from_dict(apply_overrides(read_recipe(path), overrides))
-
-
-BASE_KEY = "base"
-
-
-def read_recipe(path: str | Path) -> dict[str, Any]:
-    """The recipe at ``path`` as one mapping, its ``base:`` chain merged in.
-
-    ``base: FILE`` names another recipe, by a path relative to this recipe's directory (or an
-    absolute one). The base is read the same way (bases chain), then this recipe's mapping is
-    merged over it by :func:`merge_recipes`. The result holds no ``base`` key. A cycle, a
-    missing base or a ``base`` that is not a file name raises one :class:`ConfigError`
-    (key ``base``).
-    """
-    return _read_with_bases(Path(path), ())
-
-
-def merge_recipes(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
-    """``child`` over ``base``: where both hold a mapping under a key they merge key by key
-    (recursively); anything else in ``child`` (a scalar, a list, null) replaces the base's."""
-    out = dict(base)
-    for key, value in child.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge_recipes(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _read_with_bases(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
-    """:func:`read_recipe` for ``path`` reached through the recipes of ``chain``."""
-    data = _read_recipe_file(path)
-    if BASE_KEY not in data:
-        return data
-    name = data.pop(BASE_KEY)
-    if not isinstance(name, str) or not name.strip():
-        raise ConfigError(BASE_KEY, f"{path}: expected the file name of a recipe, got {name!r}")
-    base = path.parent / name
-    seen = [*chain, path]
-    if any(base.resolve() == earlier.resolve() for earlier in seen):
-        cycle = " -> ".join(str(p) for p in [*seen, base])
-        raise ConfigError(BASE_KEY, f"the recipes' bases form a cycle: {cycle}")
-    if not base.is_file():
-        raise ConfigError(BASE_KEY, f"{path} names base: {name}, but {base} does not exist")
-    return merge_recipes(_read_with_bases(base, tuple(seen)), data)
-
-
-def _read_recipe_file(path: Path) -> dict[str, Any]:
-    """The YAML mapping of one recipe file, as written (``base`` not resolved)."""
-    import yaml
-
-    if not path.is_file():
-        raise ConfigError("config", f"{path}: no such file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError("config", f"{path}: cannot be read ({error})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise ConfigError("config", f"{path}: not valid YAML, {yaml_error_text(error)}") from None
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ConfigError("config", f"{path}: expected a mapping at the top level")
-    return data
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """``data`` with each ``key.sub=value`` applied (value parsed as a YAML scalar)."""
-    import copy
-
-    import yaml
-
-    out = copy.deepcopy(data)
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError("--set", f"expected key.sub=value, got {item!r}")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError as error:
-            raise ConfigError(key, f"cannot parse {raw!r} ({yaml_error_text(error)})") from None
-        parts = key.split(".")
-        if parts[0] == BASE_KEY:
-            raise ConfigError(
-                BASE_KEY, "is read from the recipe file before overrides; --set cannot change it"
-            )
-        node = out
-        for depth, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(".".join(parts[: depth + 1]), "is a value, not a section")
-            node = child
-        node[parts[-1]] = value
-    return out
 
 
 def dump_config(config: TrainConfig) -> str:
@@ -645,191 +527,9 @@ def dump_config(config: TrainConfig) -> str:
     return yaml.safe_dump(config.to_dict(), sort_keys=False)
 
 
-# ----------------------------------------------------------------------------------------
-# runtime checks
-def check_runtime(config: TrainConfig, env: Any, cuda_available: bool | None = None) -> None:
-    """Checks that depend on the launch: world size, CUDA, optional packages.
-
-    ``env`` is a :class:`diffattn.train.distributed.DistEnv`.
-    """
-    import torch
-
-    if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
-    if config.device == "cuda" and not cuda_available:
-        raise ConfigError("device", "cuda requested but CUDA is not available")
-    if config.parallel != "none" and not env.launched:
-        raise ConfigError(
-            "parallel",
-            f"{config.parallel!r} needs a distributed launch (torchrun sets RANK, WORLD_SIZE, "
-            "MASTER_ADDR); run under torchrun or set parallel: none",
-        )
-    if config.tp > 1 and not env.launched:
-        raise ConfigError(
-            "tp", f"{config.tp} needs a distributed launch of tp processes or a multiple (torchrun)"
-        )
-    if env.world_size % config.tp:
-        raise ConfigError(
-            "tp", f"{config.tp} does not divide the {env.world_size} processes of the launch"
-        )
-    if config.parallel == "none" and env.world_size > config.tp:
-        raise ConfigError(
-            "parallel",
-            f"launched with {env.world_size} processes but parallel is 'none'"
-            + (f" and tp is {config.tp}" if config.tp > 1 else "")
-            + "; set parallel: ddp or fsdp",
-        )
-    world = env.world_size // config.tp  # data-parallel ranks: a tensor-parallel group is one
-    micro = config.micro_batch_size
-    if config.global_batch_size % world:
-        raise ConfigError(
-            "global_batch_size",
-            f"{config.global_batch_size} is not divisible by the world size {world}",
-        )
-    if micro is not None and config.global_batch_size % (micro * world):
-        raise ConfigError(
-            "global_batch_size",
-            f"{config.global_batch_size} is not divisible by micro_batch_size × world size "
-            f"= {micro} × {world}",
-        )
-    eval_size = config.eval_batch_size or config.global_batch_size
-    if config.eval_every and eval_size % world:
-        raise ConfigError(
-            "eval_batch_size", f"{eval_size} is not divisible by the world size {world}"
-        )
-    if config.tensorboard:
-        try:
-            import torch.utils.tensorboard
-        except ImportError:
-            raise ConfigError(
-                "tensorboard",
-                "true, but the tensorboard package is not installed (pip install tensorboard)",
-            ) from None
-    if config.wandb:
-        import importlib.util
-
-        if importlib.util.find_spec("wandb") is None:
-            raise ConfigError(
-                "wandb", "true, but the wandb package is not installed (pip install wandb)"
-            )
-
-
-# ----------------------------------------------------------------------------------------
-# generic dataclass building
-def _require_mapping(data: Any, key: str) -> dict[str, Any]:
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(key, f"expected a mapping, got {type(data).__name__} {data!r}")
-    bad = [k for k in data if not isinstance(k, str)]
-    if bad:
-        raise ConfigError(key, f"keys must be strings, got {bad[0]!r}")
-    return data
-
-
-def _build_dataclass(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    data = _require_mapping(data, prefix.rstrip(".") or "config")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        section = prefix.rstrip(".") or "the top level"
-        raise ConfigError(
-            f"{prefix}{unknown[0]}", f"unknown key; valid keys in {section} are {', '.join(names)}"
-        )
-    kwargs = {}
-    for name in names:
-        if name not in data:
-            continue
-        hint = hints[name]
-        key = prefix + name
-        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            kwargs[name] = _build_dataclass(hint, data[name], key + ".")
-        else:
-            kwargs[name] = _coerce(key, data[name], hint)
-    return cls(**kwargs)
-
-
-def _describe(hint: Any) -> str:
-    origin = get_origin(hint)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(hint))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in get_args(hint))
-    if hint is type(None):
-        return "null"
-    if hint is float:
-        return "a number"
-    if hint is int:
-        return "an integer"
-    if hint is bool:
-        return "true or false"
-    if hint is str:
-        return "a string"
-    if origin is tuple:
-        return f"a list of {len(get_args(hint))} numbers"
-    if origin is dict or hint is dict:
-        return "a mapping"
-    return str(hint)
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """``value`` checked against the type ``hint``; a mismatch raises :class:`ConfigError`."""
-    origin = get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(key, value, option)
-            except ConfigError:
-                continue
-        raise ConfigError(key, f"expected {_describe(hint)}, got {value!r}")
-    if origin is Literal:
-        if value in get_args(hint) and isinstance(value, str):
-            return value
-        raise ConfigError(key, f"expected {_describe(hint)}, got {value!r}")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-            try:
-                number = float(value)
-            except ValueError:
-                number = None
-        else:
-            number = None
-        if number is not None and not math.isnan(number):
-            return number
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-    elif origin is tuple:
-        items = get_args(hint)
-        if isinstance(value, list | tuple) and len(value) == len(items):
-            return tuple(
-                _coerce(f"{key}[{i}]", v, t)
-                for i, (v, t) in enumerate(zip(value, items, strict=True))
-            )
-    elif origin is dict or hint is dict:
-        if isinstance(value, dict):
-            return dict(value)
-    else:  # pragma: no cover - a field type this module does not know
-        raise TypeError(f"unsupported config field type {hint!r} for {key}")
-    raise ConfigError(key, f"expected {_describe(hint)}, got {value!r}")
-
-
 __all__ = [
     "ATTENTION_TYPES",
+    "BASE_KEY",
     "DECAYS",
     "DECAY_SHAPES",
     "DEVICES",
@@ -846,4 +546,5 @@ __all__ = [
     "load_config",
     "merge_recipes",
     "read_recipe",
+    "yaml_error_text",
 ]
