@@ -128,6 +128,15 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{field_name}: {message}")
 
     def _validate(self) -> None:
+        """Every check, in order; the first that fails raises ``ValueError`` naming its field."""
+        self._validate_sizes()
+        self._validate_choices()
+        self._validate_heads()
+        self._validate_lambda_init()
+        self._validate_numbers_and_flags()
+
+    def _validate_sizes(self) -> None:
+        """The integer sizes: required ones positive, optional ones positive or ``None``."""
         for name in (
             "vocab_size",
             "d_model",
@@ -145,6 +154,9 @@ class ModelConfig:
                 not isinstance(value, int) or isinstance(value, bool) or value <= 0
             ):
                 self._fail(name, f"must be a positive integer or None, got {value!r}")
+
+    def _validate_choices(self) -> None:
+        """The named choices: attention type, backend (built-in or registered), RoPE style."""
         if self.attention not in ATTENTION_TYPES:
             self._fail(
                 "attention",
@@ -164,6 +176,10 @@ class ModelConfig:
                 "rope_style",
                 f"unknown rope style {self.rope_style!r}; choose one of {', '.join(ROPE_STYLES)}",
             )
+
+    def _validate_heads(self) -> None:
+        """Head counts and widths (module docstring): d even for RoPE, GQA groups dividing the
+        query heads, and DIFF V1's pairing (§2.1) of query heads and key heads into twos."""
         if self.head_dim is None and self.d_model % self.n_heads != 0:
             self._fail(
                 "d_model",
@@ -187,6 +203,9 @@ class ModelConfig:
                     "n_kv_heads",
                     f"diff_v1 pairs key heads (K1, K2) and needs an even n_kv_heads, got {kv}",
                 )
+
+    def _validate_lambda_init(self) -> None:
+        """λ_init (DIFF V1 Eq.2): ``"exp"`` for the depth schedule or a constant in (0, 1)."""
         if isinstance(self.lambda_init, str):
             if self.lambda_init != "exp":
                 self._fail(
@@ -198,6 +217,9 @@ class ModelConfig:
             )
         elif not 0.0 < float(self.lambda_init) < 1.0:
             self._fail("lambda_init", f"must lie in (0, 1), got {self.lambda_init}")
+
+    def _validate_numbers_and_flags(self) -> None:
+        """The positive real hyper-parameters, then the boolean switches (bools, not ints)."""
         for name in (
             "rope_theta",
             "norm_eps",
