@@ -348,3 +348,24 @@ def test_match_multiple_of_sets_the_step_of_the_matched_width(tmp_path):
     # read only by a matched run: without match_params the SwiGLU keeps its full width
     base = load_config(path, ["model.match_multiple_of=1", "model.match_params=false"])
     assert base.model_config().ffn_dim == 384
+
+
+def test_shipped_recipes_by_name(tmp_path, capsys, monkeypatch):
+    """``diffattn train tiny`` reads the recipe shipped in the package (a wheel has no
+    ``configs/``); a path still works; an unknown name lists the shipped ones."""
+    from diffattn.recipes import resolve_recipe, shipped_names
+    from diffattn.train.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    assert resolve_recipe("tiny").name == "tiny.yaml"
+    assert resolve_recipe("paper-3b.yaml").name == "paper-3b.yaml"
+    assert resolve_recipe("smollm2", kind="configs/dex").parent.name == "dex"
+    assert {"tiny", "paper-base", "paper-13.1b", "compare-100m"} <= set(shipped_names())
+    assert load_config(resolve_recipe("paper-3b")).model_config().n_layers == 28
+    own = tmp_path / "tiny.yaml"
+    own.write_text("steps: 3\n")
+    assert resolve_recipe("tiny.yaml").resolve() == own  # an existing path wins over a name
+    assert main(["nonesuch", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "error: config: nonesuch: no such file, nor a shipped recipe" in err
+    assert "tiny" in err and not (tmp_path / "run").exists()

@@ -36,7 +36,11 @@ def add_set_option(parser: argparse.ArgumentParser, help_text: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``diffattn train`` to ``parser``."""
-    parser.add_argument("config", help="YAML recipe, e.g. configs/tiny.yaml")
+    parser.add_argument(
+        "config",
+        help="YAML recipe: a path (configs/tiny.yaml) or the name of a shipped one (tiny, "
+        "paper-3b, compare-100m, ...)",
+    )
     parser.add_argument("--steps", type=int, help="optimizer steps to reach (sets steps)")
     parser.add_argument("--out", help="run directory (default: runs/<recipe name>)")
     parser.add_argument(
@@ -96,6 +100,7 @@ def _has_checkpoint(out: Path) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``diffattn train``; returns the exit code."""
+    from diffattn.recipes import resolve_recipe
     from diffattn.train import ConfigError, TrainingDiverged, load_config, shutdown, train
 
     def error(message: str) -> None:
@@ -106,14 +111,19 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"steps={args.steps}")
     if args.device is not None:
         overrides.append(f"device={args.device}")
-    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    try:
+        recipe = resolve_recipe(args.config)
+    except FileNotFoundError as missing:
+        error(f"config: {missing}")
+        return 2
+    out = Path(args.out) if args.out else Path("runs") / recipe.stem
     if args.resume is not False and args.resume is not True and args.resume_fallback:
         error("--resume STEP names one checkpoint; --resume-fallback chooses among the newest")
         return 2
     resume = args.resume or args.resume_fallback or (args.auto_resume and _has_checkpoint(out))
     finished = False
     try:
-        config = load_config(args.config, overrides)
+        config = load_config(recipe, overrides)
         result = train(
             config,
             out,
