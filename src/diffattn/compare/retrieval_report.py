@@ -71,9 +71,27 @@ def retrieval_section(
     plots = [
         p for p in (plot_accuracy(out, settings, per_type), plot_attention(out, per_type)) if p
     ]
+    lines = _task_paragraph(settings, per_type)
+    if verdicts:
+        lines += [claims_table(verdicts, z), ""]
+    lines += _measurements_table(settings, per_type)
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
+    lines.append("")
+    data = {
+        "settings": asdict(settings),
+        "claims": [_verdict_record(v) for v in verdicts],
+        "runs": per_type,
+        "plots": [p.name for p in plots],
+    }
+    return lines, data, plots
+
+
+def _task_paragraph(settings: Any, per_type: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The section's heading and the paragraph that states the task (DIFF V1 Table 2's
+    multi-needle retrieval, token-level), the models, their parameters and the training."""
     task = settings.task()
     params = {a: runs[0].get("params") for a, runs in per_type.items() if runs}
-    lines = [
+    return [
         "## Retrieval among distractors (token-level)",
         "",
         f"Token-level multi-query associative recall (`diffattn.data.synthetic.RetrievalTask`): "
@@ -91,9 +109,12 @@ def retrieval_section(
         "episodes per pair count, the same for every model.",
         "",
     ]
-    if verdicts:
-        lines += [claims_table(verdicts, z), ""]
-    lines += ["### Retrieval measurements (mean ± sd over seeds)", ""]
+
+
+def _measurements_table(settings: Any, per_type: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The measurements (mean ± sd over seeds) per model, what the attention figures mean
+    (Figure 1's applied map, Figure 8's quantized logits), the λ summary and the device line."""
+    lines = ["### Retrieval measurements (mean ± sd over seeds)", ""]
     models = list(per_type)
     lines += [
         "| measurement | " + " | ".join(NAMES.get(m, m) for m in models) + " |",
@@ -119,27 +140,21 @@ def retrieval_section(
             for seed, r in enumerate(runs)
         ),
     ]
-    lines += [f"![{p.stem}]({p.name})" for p in plots]
-    lines.append("")
-    data = {
-        "settings": asdict(settings),
-        "claims": [
-            {
-                "key": v.claim.key,
-                "claim": v.claim.statement,
-                "source": v.claim.source,
-                "model": v.model,
-                "differences": list(v.differences),
-                "mean": v.mean,
-                "stderr": v.stderr,
-                "verdict": v.verdict,
-            }
-            for v in verdicts
-        ],
-        "runs": per_type,
-        "plots": [p.name for p in plots],
+    return lines
+
+
+def _verdict_record(verdict: Any) -> dict[str, Any]:
+    """One claim's verdict as results.json stores it."""
+    return {
+        "key": verdict.claim.key,
+        "claim": verdict.claim.statement,
+        "source": verdict.claim.source,
+        "model": verdict.model,
+        "differences": list(verdict.differences),
+        "mean": verdict.mean,
+        "stderr": verdict.stderr,
+        "verdict": verdict.verdict,
     }
-    return lines, data, plots
 
 
 def plot_accuracy(
