@@ -37,6 +37,7 @@ from diffattn.data.shards import (
     DEFAULT_SHARD_TOKENS,
     FORMAT_VERSION,
     ShardSet,
+    WriteResult,
     is_validation_document,
     write_token_shards,
 )
@@ -355,81 +356,19 @@ def prepare_data(
     if next(_documents(config), None) is None:
         raise _empty_corpus(config, "no documents")
     tokenizer = _build_tokenizer(config, source_fingerprint, progress)
-    key = _hash(
-        {
-            "format": FORMAT_VERSION,
-            "sources": source_fingerprint,
-            "tokenizer": tokenizer_fingerprint(tokenizer),
-            "valid_fraction": config.valid_fraction,
-            "seed": config.seed,
-            "shard_tokens": config.shard_tokens,
-        }
-    )[:24]
     root = config.cache_path / "shards"
-    directory = root / key
+    directory = root / _preparation_key(config, source_fingerprint, tokenizer)
     if (directory / PREPARED).is_file():
-        # strict and lenient runs share an entry only when nothing was replaced or skipped,
-        # i.e. when both give the same data
-        cached = _open_prepared(config, directory, tokenizer)
-        if config.strict and not cached.stats.clean:
-            _refuse_unclean_cache(config, cached.stats, directory)
-        notice = cached.stats.text_notice()
-        if notice and progress:
-            print(notice, file=sys.stderr, flush=True)
-        return cached
+        return _reuse_prepared(config, directory, tokenizer, progress)
 
     # written whole or not at all; a directory written meanwhile by another process (the
     # same data: the name is a hash of everything that determines it) is replaced
     with atomic_directory(directory, overwrite=True) as tmp:
         source_stats = SourceStats()
-        result = write_token_shards(
-            _documents(config, source_stats),
-            tokenizer,
-            tmp,
-            valid_fraction=config.valid_fraction,
-            seed=config.seed,
-            shard_tokens=config.shard_tokens,
-            progress=progress,
-        )
-        if result.documents == 0:
-            raise _empty_corpus(config, "no documents")
-        if result.train_tokens == 0:
-            raise _empty_corpus(
-                config,
-                f"all {result.documents} document(s) fell into the validation split "
-                f"(valid_fraction={config.valid_fraction}); no training tokens",
-            )
-        if config.valid_fraction > 0 and result.valid_documents == 0:
-            warnings.warn(
-                f"no document of the {result.documents} in sources {list(config.sources)} fell "
-                f"into the validation split (valid_fraction={config.valid_fraction}); "
-                "the valid shard set is empty",
-                stacklevel=2,
-            )
+        result = _write_shards(config, source_stats, tokenizer, tmp, progress)
         if getattr(tokenizer, "backend", None) is not None:
             tokenizer.save(tmp / "tokenizer")
-        stats = DataStats(
-            documents=result.documents,
-            train_documents=result.train_documents,
-            valid_documents=result.valid_documents,
-            tokens=result.train_tokens + result.valid_tokens,
-            train_tokens=result.train_tokens,
-            valid_tokens=result.valid_tokens,
-            text_bytes=result.text_bytes,
-            files=source_stats.files,
-            replaced_files=source_stats.replaced_files,
-            replaced_documents=source_stats.replaced_documents,
-            replaced_bytes=source_stats.replaced_bytes,
-            binary_files=source_stats.binary_files,
-            binary_documents=source_stats.binary_documents,
-            binary_bytes=source_stats.binary_bytes,
-            truncated=source_stats.truncated,
-            fingerprint=_hash([result.train.fingerprint, result.valid.fingerprint]),
-            source_fingerprint=source_fingerprint,
-            tokenizer=tokenizer.name,
-            vocab_size=tokenizer.vocab_size,
-            seconds=round(time.perf_counter() - started, 3),
-        )
+        stats = _data_stats(result, source_stats, source_fingerprint, tokenizer, started)
         record = {
             "format": PREPARED_FORMAT,
             "version": FORMAT_VERSION,
@@ -443,6 +382,103 @@ def prepare_data(
     prepared = _open_prepared(config, directory, tokenizer)
     prepared.cached = False
     return prepared
+
+
+def _preparation_key(config: DataConfig, source_fingerprint: str, tokenizer: Tokenizer) -> str:
+    """The cache entry's name: a hash of everything that determines the shards (the shard
+    format, the sources' content, the tokenizer, the validation split and the shard size)."""
+    return _hash(
+        {
+            "format": FORMAT_VERSION,
+            "sources": source_fingerprint,
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "valid_fraction": config.valid_fraction,
+            "seed": config.seed,
+            "shard_tokens": config.shard_tokens,
+        }
+    )[:24]
+
+
+def _reuse_prepared(
+    config: DataConfig, directory: Path, tokenizer: Tokenizer, progress: bool
+) -> PreparedData:
+    """A cache hit: the preparation in ``directory``, refused in strict mode when it replaced or
+    skipped text, its text notice printed when ``progress``."""
+    # strict and lenient runs share an entry only when nothing was replaced or skipped,
+    # i.e. when both give the same data
+    cached = _open_prepared(config, directory, tokenizer)
+    if config.strict and not cached.stats.clean:
+        _refuse_unclean_cache(config, cached.stats, directory)
+    notice = cached.stats.text_notice()
+    if notice and progress:
+        print(notice, file=sys.stderr, flush=True)
+    return cached
+
+
+def _write_shards(
+    config: DataConfig, source_stats: SourceStats, tokenizer: Tokenizer, tmp: Path, progress: bool
+) -> WriteResult:
+    """Tokenise the documents into ``tmp``'s train and valid shard sets; refuse an empty corpus
+    or one with no training tokens, and warn (at ``prepare_data``'s caller) when no document
+    fell into the validation split."""
+    result = write_token_shards(
+        _documents(config, source_stats),
+        tokenizer,
+        tmp,
+        valid_fraction=config.valid_fraction,
+        seed=config.seed,
+        shard_tokens=config.shard_tokens,
+        progress=progress,
+    )
+    if result.documents == 0:
+        raise _empty_corpus(config, "no documents")
+    if result.train_tokens == 0:
+        raise _empty_corpus(
+            config,
+            f"all {result.documents} document(s) fell into the validation split "
+            f"(valid_fraction={config.valid_fraction}); no training tokens",
+        )
+    if config.valid_fraction > 0 and result.valid_documents == 0:
+        warnings.warn(
+            f"no document of the {result.documents} in sources {list(config.sources)} fell "
+            f"into the validation split (valid_fraction={config.valid_fraction}); "
+            "the valid shard set is empty",
+            stacklevel=3,  # prepare_data's caller
+        )
+    return result
+
+
+def _data_stats(
+    result: WriteResult,
+    source_stats: SourceStats,
+    source_fingerprint: str,
+    tokenizer: Tokenizer,
+    started: float,
+) -> DataStats:
+    """What the preparation read (``source_stats``) and wrote (``result``), timed from
+    ``started``."""
+    return DataStats(
+        documents=result.documents,
+        train_documents=result.train_documents,
+        valid_documents=result.valid_documents,
+        tokens=result.train_tokens + result.valid_tokens,
+        train_tokens=result.train_tokens,
+        valid_tokens=result.valid_tokens,
+        text_bytes=result.text_bytes,
+        files=source_stats.files,
+        replaced_files=source_stats.replaced_files,
+        replaced_documents=source_stats.replaced_documents,
+        replaced_bytes=source_stats.replaced_bytes,
+        binary_files=source_stats.binary_files,
+        binary_documents=source_stats.binary_documents,
+        binary_bytes=source_stats.binary_bytes,
+        truncated=source_stats.truncated,
+        fingerprint=_hash([result.train.fingerprint, result.valid.fingerprint]),
+        source_fingerprint=source_fingerprint,
+        tokenizer=tokenizer.name,
+        vocab_size=tokenizer.vocab_size,
+        seconds=round(time.perf_counter() - started, 3),
+    )
 
 
 def load_prepared_tokenizer(directory: str | os.PathLike[str]) -> Tokenizer:
