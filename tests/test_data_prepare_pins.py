@@ -30,6 +30,16 @@ def _config(tmp_path, **changes):
     return DataConfig(**{**fields, "cache_dir": str(tmp_path / "cache"), **changes})
 
 
+def _one_document(tmp_path, tokenizer, valid_fraction):
+    """A corpus of one document, cached under ``tmp_path``."""
+    (tmp_path / "one.txt").write_text("a single document")
+    sources = [str(tmp_path / "one.txt")]
+    return DataConfig(
+        sources=sources, tokenizer=tokenizer, valid_fraction=valid_fraction,
+        cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+
+
 def test_cache_key_record_and_stats_are_pinned(tmp_path):
     config = _config(tmp_path)
     data = prepare_data(config, progress=False)
@@ -80,13 +90,7 @@ def test_cache_key_record_and_stats_are_pinned(tmp_path):
 
 def test_empty_corpus_messages_are_exact(tmp_path):
     trained = prepare_data(_config(tmp_path), progress=False)
-    (tmp_path / "one.txt").write_text("a single document")
-    config = DataConfig(
-        sources=[str(tmp_path / "one.txt")],
-        tokenizer=f"hf:{trained.directory / 'tokenizer'}",
-        valid_fraction=0.999,
-        cache_dir=str(tmp_path / "cache"),
-    )
+    config = _one_document(tmp_path, f"hf:{trained.directory / 'tokenizer'}", 0.999)
     with pytest.raises(ValueError) as caught:
         prepare_data(config, progress=False)
     assert str(caught.value) == (
@@ -107,13 +111,7 @@ def test_empty_corpus_messages_are_exact(tmp_path):
 
 
 def test_no_validation_warning_points_at_the_caller(tmp_path):
-    (tmp_path / "one.txt").write_text("a single document")
-    config = DataConfig(
-        sources=[str(tmp_path / "one.txt")],
-        tokenizer="bpe:300",
-        valid_fraction=0.001,
-        cache_dir=str(tmp_path / "cache"),
-    )
+    config = _one_document(tmp_path, "bpe:300", 0.001)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         prepare_data(config, progress=False)
