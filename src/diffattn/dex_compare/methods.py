@@ -26,6 +26,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -241,15 +242,9 @@ def compare_methods(
     ``eval_timings``).
     """
     from diffattn.compare.plots import plot_losses
-    from diffattn.dex.adapter import apply
     from diffattn.dex.selection import select_heads
-    from diffattn.train import TrainingDiverged, train
-    from diffattn.train.config import ConfigError
 
-    methods = list(METHODS if methods is None else methods)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        raise ValueError(f"methods must be among {', '.join(METHODS)}, got {methods!r}")
+    methods = _checked_methods(methods)
     out = Path(out)
     replace = check_output_directory(
         out,
@@ -259,97 +254,51 @@ def compare_methods(
     )
     if benchmarks is not None:
         benchmarks.check()
-    source = resolve_source(model)
-    pretrained = load_model(source, dtype=torch.float32).train()
-    dex_train.check_supported(pretrained, source)
-    config = dex_train.base_config(source, steps, overrides)
-    tokenizer = _tokenizer(source) if benchmarks is not None else None
-    data = dex_train.prepare(config, progress=progress)
+    source, pretrained, config, tokenizer, data = _load(
+        model, steps, overrides, benchmarks, progress
+    )
     t_start = time.perf_counter()
     base_loss = dex_train.held_out_loss(pretrained, config, data)
     heads = select_heads(pretrained, dex_train.calibration_batches(config, data), "entropy")
-    base_measured = None
+    rows: list[dict[str, Any]] = [_base_row(base_loss)]
+    measured: dict[str, Any] = {}
     if benchmarks is not None:
-        base_measured = _measure(pretrained, "base", model, tokenizer, "hf", benchmarks)
+        found = _measure(pretrained, "base", model, tokenizer, "hf", benchmarks)
+        _attach(rows[0], "base", found, measured)
     del pretrained
     anneal = max(1, steps // 2)
-
-    def dex_make() -> nn.Module:
-        return apply(load_model(source, dtype=torch.float32).train(), heads, anneal_steps=anneal)
-
-    factories = {
-        "dex": (dex_make, dex_train.DEX_LR),
-        "lora8": (lora_factory(source, 8), dex_train.DEX_LR),
-        "lora32": (lora_factory(source, 32), dex_train.DEX_LR),
-        "ft": (full_factory(source), dex_train.FULL_FT_LR),
-    }
-    rows: list[dict[str, Any]] = [
-        {
-            "method": "base",
-            "name": LABELS["base"],
-            "trainable_parameters": 0,
-            "lr": None,
-            "val_loss": base_loss,
-            "delta": 0.0,
-            "train_loss": None,
-            "step_time_s": None,
-            "status": "ok",
-        }
-    ]
-    measured: dict[str, Any] = {}
-    if base_measured is not None:
-        _attach(rows[0], "base", base_measured, measured)
+    factories = _factories(source, heads, anneal)
+    bench = None if benchmarks is None else _Benchmarking(model, tokenizer, benchmarks, measured)
     runs = []
     if replace:  # every input is valid: the old contents go now, as a whole
         clear_output_directory(out)
     for method in methods:
         make, lr = factories[method]
-        run_config = config.replace(optim={**config.to_dict()["optim"], "lr": lr})
-        run_dir = out / "runs" / method
-        row = {"method": method, "name": LABELS[method], "lr": lr}
-        built: list[nn.Module] = []
-        try:
-            result = train(
-                run_config,
-                run_dir,
-                progress=progress,
-                callbacks=dex_train.dex_callbacks() if method == "dex" else (),
-                data=data,
-                model_factory=_keeping(make, built),
-            )
-        except ConfigError as error:
-            raise ValueError(str(error)) from None
-        except TrainingDiverged as error:
-            row.update(status=f"diverged: {error}", val_loss=math.nan, delta=math.nan)
-            row.update(trainable_parameters=None, train_loss=None, step_time_s=None)
-            rows.append(row)
-            continue
-        val = result.val_losses.get(result.step, math.nan)
-        train_curve, val_curve, step_time = _curves(run_dir)
-        tail = [loss for _, loss in train_curve[-max(1, len(train_curve) // 10) :]]
-        row.update(
-            trainable_parameters=result.trainable_parameters,
-            val_loss=val,
-            delta=val - base_loss,
-            train_loss=sum(tail) / len(tail),
-            step_time_s=step_time,
-            status="ok",
-        )
-        if benchmarks is not None:
-            trained, kind = _for_eval(built[-1], method)
-            found = _measure(trained, method, f"{model} ({method})", tokenizer, kind, benchmarks)
-            _attach(row, method, found, measured)
-            del trained
-        built.clear()
-        gc.collect()
+        row, run = _train_method(method, make, lr, config, data, out, base_loss, progress, bench)
         rows.append(row)
-        runs.append(
-            SimpleNamespace(attention=LABELS[method], train_curve=train_curve, val_curve=val_curve)
-        )
+        if run is not None:
+            runs.append(run)
     out.mkdir(parents=True, exist_ok=True)
     plot = plot_losses(out, runs)
     elapsed = time.perf_counter() - t_start
-    report = {
+    report = _report_record(model, steps, config, data, heads, anneal, rows, elapsed, plot)
+    _write_report(out, report, config, plot, measured, benchmarks)
+    return report
+
+
+def _report_record(
+    model: str,
+    steps: int,
+    config: Any,
+    data: Any,
+    heads: Any,
+    anneal: int,
+    rows: list[dict[str, Any]],
+    elapsed: float,
+    plot: Path | None,
+) -> dict[str, Any]:
+    """``report.json``: the setting shared by every method, the selected heads, the rows."""
+    return {
         "model": model,
         "steps": steps,
         "tokens_per_step": config.global_batch_size * config.seq_len,
@@ -361,17 +310,163 @@ def compare_methods(
         "tokenizer": getattr(data.tokenizer, "name", None),
         "plots": [plot.name] if plot is not None else [],
     }
+
+
+def _checked_methods(methods: Sequence[str] | None) -> list[str]:
+    """The methods to train (all of :data:`METHODS` when ``None``); refuses unknown ones."""
+    methods = list(METHODS if methods is None else methods)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ValueError(f"methods must be among {', '.join(METHODS)}, got {methods!r}")
+    return methods
+
+
+def _load(
+    model: str,
+    steps: int,
+    overrides: Sequence[str],
+    benchmarks: BenchmarkSettings | None,
+    progress: bool,
+) -> tuple[ModelSource, nn.Module, Any, Any, Any]:
+    """The pretrained model (checked to be one Dex supports), the training config every method
+    shares, the tokenizer the benchmarks need (``None`` without them) and the prepared data."""
+    source = resolve_source(model)
+    pretrained = load_model(source, dtype=torch.float32).train()
+    dex_train.check_supported(pretrained, source)
+    config = dex_train.base_config(source, steps, overrides)
+    tokenizer = _tokenizer(source) if benchmarks is not None else None
+    data = dex_train.prepare(config, progress=progress)
+    return source, pretrained, config, tokenizer, data
+
+
+def _base_row(base_loss: float) -> dict[str, Any]:
+    """The pretrained model's row: nothing trained, Δ = 0 by definition."""
+    return {
+        "method": "base",
+        "name": LABELS["base"],
+        "trainable_parameters": 0,
+        "lr": None,
+        "val_loss": base_loss,
+        "delta": 0.0,
+        "train_loss": None,
+        "step_time_s": None,
+        "status": "ok",
+    }
+
+
+def _factories(
+    source: ModelSource, heads: Any, anneal: int
+) -> dict[str, tuple[Callable[[], nn.Module], float]]:
+    """Per method, the model factory and the peak learning rate (Dex paper App. F.1: 1e-4 for
+    Dex and LoRA, 1e-5 for full fine-tuning); Dex adapts ``heads`` with T = ``anneal``."""
+    from diffattn.dex.adapter import apply
+
+    def dex_make() -> nn.Module:
+        return apply(load_model(source, dtype=torch.float32).train(), heads, anneal_steps=anneal)
+
+    return {
+        "dex": (dex_make, dex_train.DEX_LR),
+        "lora8": (lora_factory(source, 8), dex_train.DEX_LR),
+        "lora32": (lora_factory(source, 32), dex_train.DEX_LR),
+        "ft": (full_factory(source), dex_train.FULL_FT_LR),
+    }
+
+
+@dataclass
+class _Benchmarking:
+    """What measuring each trained model needs: the model's spec (for the names), the
+    tokenizer, the settings, and the raw results gathered so far by method."""
+
+    model: str
+    tokenizer: Any
+    settings: BenchmarkSettings
+    measured: dict[str, Any]
+
+
+def _train_method(
+    method: str,
+    make: Callable[[], nn.Module],
+    lr: float,
+    config: Any,
+    data: Any,
+    out: Path,
+    base_loss: float,
+    progress: bool,
+    bench: _Benchmarking | None,
+) -> tuple[dict[str, Any], SimpleNamespace | None]:
+    """Train one method on the shared data and order at learning rate ``lr`` into
+    ``out/runs/METHOD``; its row and loss curves (``None`` when it diverged: the row says so).
+    With ``bench``, the trained model is measured as it is evaluated (:func:`_for_eval`)."""
+    from diffattn.train import TrainingDiverged, train
+    from diffattn.train.config import ConfigError
+
+    run_config = config.replace(optim={**config.to_dict()["optim"], "lr": lr})
+    run_dir = out / "runs" / method
+    row = {"method": method, "name": LABELS[method], "lr": lr}
+    built: list[nn.Module] = []
+    try:
+        result = train(
+            run_config,
+            run_dir,
+            progress=progress,
+            callbacks=dex_train.dex_callbacks() if method == "dex" else (),
+            data=data,
+            model_factory=_keeping(make, built),
+        )
+    except ConfigError as error:
+        raise ValueError(str(error)) from None
+    except TrainingDiverged as error:
+        row.update(status=f"diverged: {error}", val_loss=math.nan, delta=math.nan)
+        row.update(trainable_parameters=None, train_loss=None, step_time_s=None)
+        return row, None
+    val = result.val_losses.get(result.step, math.nan)
+    train_curve, val_curve, step_time = _curves(run_dir)
+    tail = [loss for _, loss in train_curve[-max(1, len(train_curve) // 10) :]]
+    row.update(
+        trainable_parameters=result.trainable_parameters,
+        val_loss=val,
+        delta=val - base_loss,
+        train_loss=sum(tail) / len(tail),
+        step_time_s=step_time,
+        status="ok",
+    )
+    if bench is not None:
+        trained, kind = _for_eval(built[-1], method)
+        spec = f"{bench.model} ({method})"
+        found = _measure(trained, method, spec, bench.tokenizer, kind, bench.settings)
+        _attach(row, method, found, bench.measured)
+        del trained
+    built.clear()
+    gc.collect()
+    return row, SimpleNamespace(
+        attention=LABELS[method], train_curve=train_curve, val_curve=val_curve
+    )
+
+
+def _write_report(
+    out: Path,
+    report: dict[str, Any],
+    config: Any,
+    plot: Path | None,
+    measured: dict[str, Any],
+    benchmarks: BenchmarkSettings | None,
+) -> None:
+    """Write ``report.md`` and ``report.json`` (and, with benchmarks, ``results.json`` and
+    ``benchmarks.png``) and print the tables."""
+    rows = report["rows"]
     table = markdown_table(rows)
     lines = [
         "# diffattn dex compare",
         "",
-        f"Model `{model}`; every method trains {steps} steps of {config.global_batch_size} × "
-        f"{config.seq_len} tokens on the same data in the same order (seed {config.seed}), "
+        f"Model `{report['model']}`; every method trains {report['steps']} steps of "
+        f"{config.global_batch_size} × {config.seq_len} tokens on the same data in the same "
+        f"order (seed {config.seed}), "
         "AdamW with a cosine schedule and 3% warm-up (Dex paper App. F.1): peak learning rate "
         "1e-4 for Dex and LoRA (q/k/v/o, α = 2r), 1e-5 for full fine-tuning. Held-out loss is "
         f"the mean next-token loss on {config.eval_batches} held-out batches; Δ is against the "
         f"pretrained model. Dex adapts the highest-entropy half of each layer's heads "
-        f"(§3.2) with T = {anneal}. Total wall time {elapsed / 60:.1f} min.",
+        f"(§3.2) with T = {report['anneal_steps']}. Total wall time "
+        f"{report['elapsed_s'] / 60:.1f} min.",
         "",
         table,
         "",
@@ -388,7 +483,6 @@ def compare_methods(
 
         print("\n" + benchmark_table(rows) + "\n\n" + verdict(rows))
     print(f"\nreport: {out / 'report.md'}")
-    return report
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
