@@ -1,0 +1,192 @@
+"""``diffattn eval``'s settings: each experiment's report keeps the settings block it always
+wrote (key order included), through the real command line on tiny models."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from diffattn.cli import main
+from helpers import tiny_diffattn, tiny_hf
+
+pytestmark = pytest.mark.extra("train", "hf")
+
+TEXTS = [f"def f{i}(x):\n    return x * {i} + {i}\n" * (i + 2) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """A tiny DIFF V1 model, a tiny Llama with a Dex adapter, text, multiple-choice items and
+    LongBench-format samples."""
+    from transformers import PreTrainedTokenizerFast
+
+    from diffattn import dex
+    from diffattn.checkpoint import save_model
+    from diffattn.data import train_bpe
+
+    root = tmp_path_factory.mktemp("settings")
+    tokenizer = train_bpe(TEXTS * 20, 300, cache_dir=root / "bpe")
+    model = tiny_diffattn("diff_v1", vocab_size=tokenizer.vocab_size, max_seq_len=256)
+    save_model(model, root / "model", tokenizer=tokenizer)
+    llama = tiny_hf("llama", vocab_size=tokenizer.vocab_size)
+    llama.save_pretrained(root / "base")
+    tokenizer.save(root / "tok")
+    hf_tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(root / "tok" / "tokenizer.json"))
+    hf_tokenizer.save_pretrained(root / "base")
+    dex.apply(llama, heads={0: [1]}, anneal_steps=0, lambda_learn_init=0.5)
+    dex.save_adapter(llama, root / "adapter")
+    (root / "data.txt").write_text("".join(TEXTS))
+    items = [
+        {"query": "2 + 2 =", "choices": ["4", "5"], "gold": 0, "id": "a"},
+        {"query": "3 + 3 =", "choices": ["6", "7"], "gold": 0, "id": "b"},
+    ]
+    (root / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
+    samples = [
+        {"input": f"What is {i}?", "context": f"It is {i}. " * 5, "answers": [str(i)]}
+        for i in range(2)
+    ]
+    (root / "hotpotqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
+    return root
+
+
+TEXT = "--data ROOT/data.txt --split all --seq-len 16 --max-tokens 64"
+RUNS = {
+    "loss": f"ROOT/model {TEXT}",
+    "needle": "ROOT/model --needles 2 --lengths 200 --depths 50 --samples 1 --max-new-tokens 2",
+    "outliers": f"ROOT/model {TEXT} --bits 16 4",
+    "heads": f"ROOT/model {TEXT}",
+    "effective": f"ROOT/base --dex ROOT/adapter {TEXT} --windows 1 --steps 2",
+    "hessian": f"ROOT/model {TEXT} --batches 1 --iters 2",
+    "mc": "ROOT/model --data ROOT/mine.jsonl",
+    "icl": "ROOT/model --classes 3 --shots 0 1 --test-items 2 --budget 200",
+    "hallucination": "ROOT/model --data ROOT/hotpotqa.jsonl --judge ROOT/model --samples 1 "
+    "--max-new-tokens 2",
+    "attention": "ROOT/model --prompt 'def add(a, b):' --layers 0",
+}
+"""A tiny run of each experiment (ROOT: the zoo)."""
+
+DATA = {
+    "data": ["ROOT/data.txt"],
+    "split": "all",
+    "valid_fraction": 0.02,
+    "data_seed": 0,
+    "seq_len": 16,
+    "max_tokens": 64,
+}
+"""The document settings of the runs of TEXT."""
+SETTINGS = {
+    "attention": {
+        "prompt": "def add(a, b):",
+        "token_ids": None,
+        "layers": [0],
+        "heads": None,
+        "queries": [-1],
+        "view": "row",
+        "special_tokens": True,
+        "max_labels": 48,
+    },
+    "effective": {
+        **DATA,
+        "windows": 1,
+        "max_heads": 8,
+        "steps": 2,
+        "lr": 0.001,
+        "optimizer": "adam",
+        "seed": 0,
+    },
+    "hallucination": {
+        "data": ["ROOT/hotpotqa.jsonl"],
+        "task": "auto",
+        "samples": 1,
+        "max_new_tokens": 2,
+        "max_input_tokens": None,
+        "stop": "\n\n",
+        "judge_document_chars": 8000,
+        "batch_size": 8,
+        "seed": 0,
+        "judge": {"kind": "local", "model": "ROOT/model"},
+    },
+    "heads": {
+        **DATA,
+        "batch_size": 8,
+        "seed": 0,
+        "layer": 1,
+    },
+    "hessian": {
+        **DATA,
+        "batches": 1,
+        "iters": 2,
+        "tol": 0.001,
+        "params": "all",
+        "batch_size": 8,
+        "seed": 0,
+    },
+    "icl": {
+        "dataset": "synthetic",
+        "data": None,
+        "classes": 3,
+        "shots": ["0", "1"],
+        "budget": 200,
+        "test_items": 2,
+        "arrangements": ["random"],
+        "permutations": 1,
+        "decoding": "greedy",
+        "use_cache": True,
+        "batch_size": 8,
+        "seed": 0,
+    },
+    "loss": {
+        **DATA,
+        "ngram": 2,
+        "exclude_frequent": 0,
+        "train_data": None,
+        "batch_size": 8,
+        "seed": 0,
+    },
+    "mc": {
+        "tasks": None,
+        "data": ["ROOT/mine.jsonl"],
+        "split": "validation",
+        "source": "auto",
+        "shots": 0,
+        "limit": None,
+        "batch_size": 8,
+        "seed": 0,
+    },
+    "needle": {
+        "needles": 2,
+        "queries": 1,
+        "lengths": [200],
+        "depths": [50.0],
+        "samples": 1,
+        "haystack": "synthetic",
+        "seed": 0,
+        "batch_size": 8,
+        "max_new_tokens": 2,
+        "attention": True,
+        "digits": 7,
+    },
+    "outliers": {
+        **DATA,
+        "bits": [16, 4],
+        "batch_size": 8,
+        "seed": 0,
+    },
+}
+"""Each experiment's settings block in ``results.json``, as the command wrote it before the
+settings were declared once (key order included)."""
+
+
+@pytest.mark.parametrize("experiment", sorted(RUNS))
+def test_the_settings_block_is_unchanged(zoo, tmp_path, experiment, one_thread):
+    out = tmp_path / "out"
+    argv = shlex.split(RUNS[experiment].replace("ROOT", str(zoo)))
+    assert main(["eval", experiment, *argv, "--out", str(out), "--quiet"]) == 0
+    record = json.loads((out / "results.json").read_text())
+    written = json.loads(json.dumps(record["settings"]).replace(str(zoo), "ROOT"))
+    assert list(written.items()) == list(SETTINGS[experiment].items())  # in the same order
+    header = (out / "report.md").read_text().split("\n")[3]
+    block = json.dumps(SETTINGS[experiment], sort_keys=True).replace("ROOT", str(zoo))
+    assert header.endswith(f"settings `{block}`")
