@@ -12,9 +12,9 @@ from extras import require_extra
 
 pytestmark = require_extra("train", "hf", "peft")
 
+from dex_run_setup import tiny_llama_run
 from diffattn.dex_compare import methods as dex_methods
 from diffattn.dex_compare.methods import compare_methods, markdown_table
-from helpers import tiny_hf, word_corpus
 
 ROW_KEYS = [
     "method", "name", "lr", "trainable_parameters", "val_loss", "delta", "train_loss",
@@ -24,18 +24,7 @@ ROW_KEYS = [
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dex_compare_report")
-    corpus, tokenizer = word_corpus(root, 120)
-    model_dir = root / "llama"
-    tiny_hf("llama", vocab_size=tokenizer.vocab_size, max_position_embeddings=128).save_pretrained(
-        model_dir
-    )
-    tokenizer.save(model_dir)
-    sets = [
-        f"data.sources=[{corpus}]", "data.document_split=paragraph", "data.valid_fraction=0.2",
-        f"data.cache_dir={root / 'cache'}", "seq_len=32", "eval_batches=2", "device=cpu",
-    ]  # fmt: skip
-    return {"root": root, "model": str(model_dir), "sets": sets}
+    return tiny_llama_run(tmp_path_factory.mktemp("dex_compare_report"))
 
 
 @pytest.fixture(scope="module")
