@@ -274,12 +274,65 @@ def parse_lambda_init(value: str | float) -> str | float:
 def train_dex(options: DexTrainOptions) -> DexTrainResult:
     """Select heads, train Dex with :class:`diffattn.train.Trainer`, save the adapter and a
     summary; returns the held-out loss before and after and λ per layer over steps."""
-    from diffattn.dex.adapter import apply
-    from diffattn.dex.io import save_adapter
-    from diffattn.dex.selection import HeadSelection, select_heads
-    from diffattn.train import Trainer, read_metrics
+    from diffattn.dex.selection import select_heads
+    from diffattn.train import Trainer
     from diffattn.train.config import ConfigError
 
+    run = _plan_run(options)
+    source = resolve_source(options.model)
+    config, heads = _checked_setup(options, run, source)
+    data = prepare(config, progress=options.progress)
+    if heads is None:
+        heads = select_heads(
+            load_model(source, dtype=torch.float32).train(),
+            calibration_batches(config, data),
+            method=options.heads,
+        )
+    before = held_out_loss(load_model(source, dtype=torch.float32).train(), config, data)
+    say = (
+        (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
+    )
+    say(heads.format_table())
+    say(f"held-out loss before Dex: {before:.4f}")
+    if run.replace:  # every input is valid: the old contents go now, as a whole
+        clear_output_directory(run.out)
+    trainer = Trainer(
+        config,
+        run.out,
+        resume=options.resume,
+        progress=options.progress,
+        callbacks=dex_callbacks(),
+        data=data,
+        model_factory=dex_factory(source, heads, run.anneal, run.lambda_init),
+    )
+    t0 = time.perf_counter()
+    try:
+        trainer.build()  # applies the trainer's output checks before the run's files
+    except ConfigError as error:
+        raise ValueError(str(error)) from None
+    if not options.resume:
+        _save_run_settings(options, run, heads)
+    try:
+        result = trainer.run()
+    except ConfigError as error:
+        raise ValueError(str(error)) from None
+    return _finish(options, run, trainer, result, before, heads, t0)
+
+
+@dataclass
+class _DexRun:
+    """What :func:`train_dex` settles before loading anything: the run directory, whether its
+    old contents are to be replaced, T of Eq.4 and λ_init (saved ones on ``--resume``)."""
+
+    out: Path
+    replace: bool
+    anneal: int
+    lambda_init: str | float
+
+
+def _plan_run(options: DexTrainOptions) -> _DexRun:
+    """Check ``--out``, ``--resume`` and ``--overwrite``; T and λ_init from the options (T
+    defaults to half the run) or, on ``--resume``, from the run's ``dex_run.json``."""
     out = Path(options.out)
     settings_path = out / RUN_SETTINGS_NAME
     if options.resume and options.overwrite:
@@ -306,67 +359,67 @@ def train_dex(options: DexTrainOptions) -> DexTrainResult:
             anneal = max(1, options.steps // 2)
         if isinstance(anneal, bool) or not isinstance(anneal, int) or anneal < 0:
             raise ValueError(f"--anneal-steps must be a non-negative integer, got {anneal!r}")
+    return _DexRun(out=out, replace=replace, anneal=anneal, lambda_init=lambda_init)
 
-    source = resolve_source(options.model)
+
+def _checked_setup(options: DexTrainOptions, run: _DexRun, source: ModelSource) -> tuple[Any, Any]:
+    """The training config and the heads (the run's on ``--resume``, a file's or ``all``;
+    ``None`` when they are to be selected on data), after checking on one copy of the
+    pretrained model that Dex supports it and accepts these settings."""
+    from diffattn.dex.adapter import apply
+    from diffattn.dex.selection import HeadSelection
+
     model = load_model(source, dtype=torch.float32).train()
     check_supported(model, source)
     config = base_config(source, options.steps, options.overrides)
     if options.resume:
-        heads = HeadSelection.load(out / HEADS_NAME)
+        heads = HeadSelection.load(run.out / HEADS_NAME)
     elif options.heads in ("entropy", "importance"):
         heads = None  # chosen on data below
     else:
         heads = read_heads(options.heads, model)
     # validate the Dex settings on this copy before preparing data
     apply(
-        model, heads if heads is not None else "all", anneal_steps=anneal, lambda_init=lambda_init
+        model,
+        heads if heads is not None else "all",
+        anneal_steps=run.anneal,
+        lambda_init=run.lambda_init,
     )
     del model
+    return config, heads
 
-    data = prepare(config, progress=options.progress)
-    if heads is None:
-        heads = select_heads(
-            load_model(source, dtype=torch.float32).train(),
-            calibration_batches(config, data),
-            method=options.heads,
-        )
-    before = held_out_loss(load_model(source, dtype=torch.float32).train(), config, data)
-    say = (
-        (lambda m: print(m, file=sys.stderr, flush=True)) if options.progress else (lambda m: None)
+
+def _save_run_settings(options: DexTrainOptions, run: _DexRun, heads: Any) -> None:
+    """``heads.json`` and ``dex_run.json``: what ``--resume`` and ``dex merge`` read back."""
+    heads.save(run.out / HEADS_NAME)
+    settings = {
+        "model": options.model,
+        "heads": options.heads,
+        "anneal_steps": run.anneal,
+        "lambda_init": run.lambda_init,
+        "steps": options.steps,
+        "overrides": list(options.overrides),
+    }
+    (run.out / RUN_SETTINGS_NAME).write_text(
+        json.dumps(settings, indent=2) + "\n", encoding="utf-8"
     )
-    say(heads.format_table())
-    say(f"held-out loss before Dex: {before:.4f}")
-    if replace:  # every input is valid: the old contents go now, as a whole
-        clear_output_directory(out)
-    trainer = Trainer(
-        config,
-        out,
-        resume=options.resume,
-        progress=options.progress,
-        callbacks=dex_callbacks(),
-        data=data,
-        model_factory=dex_factory(source, heads, anneal, lambda_init),
-    )
-    t0 = time.perf_counter()
-    try:
-        trainer.build()  # applies the trainer's output checks before the run's files
-    except ConfigError as error:
-        raise ValueError(str(error)) from None
-    if not options.resume:
-        heads.save(out / HEADS_NAME)
-        settings = {
-            "model": options.model,
-            "heads": options.heads,
-            "anneal_steps": anneal,
-            "lambda_init": lambda_init,
-            "steps": options.steps,
-            "overrides": list(options.overrides),
-        }
-        settings_path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
-    try:
-        result = trainer.run()
-    except ConfigError as error:
-        raise ValueError(str(error)) from None
+
+
+def _finish(
+    options: DexTrainOptions,
+    run: _DexRun,
+    trainer: Any,
+    result: Any,
+    before: float,
+    heads: Any,
+    t0: float,
+) -> DexTrainResult:
+    """Save the adapter, take the held-out loss after training (the last evaluation, or a new
+    one), read λ(t) per layer (Eq.4) from the metrics and write ``summary.json``."""
+    from diffattn.dex.io import save_adapter
+    from diffattn.train import read_metrics
+
+    out = run.out
     trained = trainer.model
     adapter = save_adapter(trained, out / ADAPTER_DIRNAME)
     after = result.val_losses.get(result.step)
@@ -384,8 +437,8 @@ def train_dex(options: DexTrainOptions) -> DexTrainResult:
         "parameters": result.num_parameters,
         "trainable_parameters": result.trainable_parameters,
         "heads": heads.to_dict(),
-        "anneal_steps": anneal,
-        "lambda_init": lambda_init,
+        "anneal_steps": run.anneal,
+        "lambda_init": run.lambda_init,
         "lambdas": curve,
     }
     (out / SUMMARY_NAME).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
