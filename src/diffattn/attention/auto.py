@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from diffattn.attention.mask import AttentionMask
-from diffattn.attention.registry import get_backend, log_once
+from diffattn.attention.registry import get_backend, log_once, set_auto_resolver
 
 logger = logging.getLogger("diffattn.kernels")
 
@@ -208,6 +208,24 @@ def choose(call: Call, q: torch.Tensor, k: torch.Tensor, mask: AttentionMask) ->
     if call.device == "cpu":
         _memo[call] = chosen
     return chosen
+
+
+def resolve(
+    q: torch.Tensor,
+    call: Call | None = None,
+    mask: AttentionMask | None = None,
+    k: torch.Tensor | None = None,
+) -> str:
+    """The backend ``auto`` runs on for tensors like ``q`` (``registry.resolve_backend("auto",
+    ...)``): :func:`choose` for ``call``, by default a prefill of softmax attention without
+    padding, with ``k`` defaulting to ``q`` and ``mask`` to no mask."""
+    mask = AttentionMask() if mask is None else mask
+    if call is None:
+        call = Call("softmax", q.device.type, q.dtype, False, False, False, False, False)
+    return choose(call, q, q if k is None else k, mask)
+
+
+set_auto_resolver(resolve)
 
 
 def _resolve(

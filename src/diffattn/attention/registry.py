@@ -147,20 +147,29 @@ def backend_for_hf(attn_implementation: str) -> str | None:
     return None
 
 
+AutoResolver = Callable[..., str]
+"""``resolver(q, call=None, mask=None, k=None) -> backend name``: how ``auto`` is resolved."""
+_auto_resolver: AutoResolver | None = None
+
+
+def set_auto_resolver(resolver: AutoResolver) -> None:
+    """Make :func:`resolve_backend` resolve ``auto`` with ``resolver``. The registry sits below
+    the ``auto`` policy, so :mod:`diffattn.attention.auto` installs its ``resolve`` when it is
+    imported (importing the registry imports it, through the package ``diffattn.attention``)."""
+    global _auto_resolver
+    _auto_resolver = resolver
+
+
 def resolve_backend(name: str, q: torch.Tensor, call=None, mask=None, k=None) -> str:
     """A concrete backend for tensors like ``q``. ``auto`` is resolved for ``call`` (an
     :class:`diffattn.attention.auto.Call`; default: a prefill of softmax attention without
-    padding) by :func:`diffattn.attention.auto.choose`; a named backend that cannot run on
+    padding) by :func:`diffattn.attention.auto.resolve`; a named backend that cannot run on
     ``q`` raises ``RuntimeError`` saying why."""
     check_backend_name(name)
     if name == "auto":
-        from diffattn.attention import auto
-        from diffattn.attention.mask import AttentionMask
-
-        mask = AttentionMask() if mask is None else mask
-        if call is None:
-            call = auto.Call("softmax", q.device.type, q.dtype, False, False, False, False, False)
-        return auto.choose(call, q, q if k is None else k, mask)
+        if _auto_resolver is None:
+            raise RuntimeError("no resolver for backend 'auto': import diffattn.attention.auto")
+        return _auto_resolver(q, call=call, mask=mask, k=k)
     reason = _BACKENDS[name].why_unusable(q)
     if reason is not None:
         raise RuntimeError(f"backend={name!r} {reason}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from diffattn.compare.report import NAMES
+from diffattn.compare.names import NAMES
 
 COLOURS = {"baseline": "tab:gray", "diff_v1": "tab:blue", "diff_v2": "tab:orange"}
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-NAMES = {"baseline": "Transformer", "diff_v1": "DIFF V1", "diff_v2": "DIFF V2"}
+from diffattn.compare.names import NAMES
 
 
 @dataclass

@@ -25,47 +25,22 @@ Use it through the source spec ``"stdlib"`` (the default of :class:`diffattn.dat
 
 from __future__ import annotations
 
-import functools
-import os
-import sysconfig
 from collections.abc import Iterator
-from pathlib import Path
 
 from diffattn.data.sources import STDLIB_DEFAULT_BYTES, SourceStats, iter_documents
+from diffattn.data.stdlib import EXCLUDED_DIRS, stdlib_files, stdlib_root
 
 DEFAULT_CORPUS_BYTES = STDLIB_DEFAULT_BYTES
 """Default cap of :func:`default_corpus` and of the ``"stdlib"`` source spec (16 MB): all of
 the stdlib on current CPythons (~12 MB)."""
 
-EXCLUDED_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-)
-
-
-def stdlib_root() -> Path:
-    """The directory of the standard library's pure-Python modules."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-@functools.lru_cache(maxsize=4)
-def _stdlib_files(root: str) -> tuple[Path, ...]:
-    base = Path(root)
-    found: list[Path] = []
-    for directory, dirnames, filenames in os.walk(base):
-        dirnames[:] = [d for d in dirnames if d not in EXCLUDED_DIRS and not d.startswith(".")]
-        found.extend(Path(directory, name) for name in filenames if name.endswith(".py"))
-    return tuple(sorted(found, key=lambda p: p.relative_to(base).as_posix()))
-
-
-def stdlib_files() -> list[Path]:
-    """The files of the embedded corpus, in their deterministic order."""
-    files = list(_stdlib_files(str(stdlib_root())))
-    if not files:
-        raise ValueError(
-            f"source 'stdlib': no .py files found under {stdlib_root()} "
-            "(this Python ships without its standard library sources)"
-        )
-    return files
+__all__ = [
+    "DEFAULT_CORPUS_BYTES",
+    "EXCLUDED_DIRS",
+    "default_corpus",
+    "stdlib_files",
+    "stdlib_root",
+]
 
 
 def default_corpus(

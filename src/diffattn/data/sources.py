@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal, get_args
 from urllib.parse import parse_qsl
 
+from diffattn.data.stdlib import stdlib_files, stdlib_root
 from diffattn.data.synthetic import GENERATOR_VERSION as SYNTHETIC_GENERATOR_VERSION
 from diffattn.data.synthetic import is_synthetic_spec, parse_synthetic_spec, synthetic_documents
 
@@ -591,8 +592,6 @@ def _iter_one(
     spec: str, text_field: str, split: DocumentSplit, stats: SourceStats, strict: bool
 ) -> Iterator[str]:
     if is_stdlib_spec(spec):
-        from diffattn.data.corpus import stdlib_files
-
         cap, used = stdlib_spec_cap(spec), 0
         for path in stdlib_files():
             for text in read_text_file(path, stats=stats, strict=strict):
@@ -687,8 +686,6 @@ def fingerprint_sources(
     for spec in specs:
         check_source_spec(spec)
         if is_stdlib_spec(spec):
-            from diffattn.data.corpus import stdlib_files, stdlib_root
-
             root = stdlib_root()
             entries.append([spec, sys.version, [_file_entry(p, root) for p in stdlib_files()]])
         elif is_synthetic_spec(spec):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffattn.dex.schedule import lambda_schedule, schedule_coefficients
+from diffattn.dex.annealing import lambda_schedule, schedule_coefficients
 from diffattn.layers import memo_by_version
 
 WDInit = str | float

@@ -4,6 +4,10 @@ If ``transformers`` is already in ``sys.modules`` we register now. Otherwise a o
 ``sys.meta_path`` finder wraps the loader of the top-level ``transformers`` package so that
 :func:`diffattn.hf.register` runs right after that package finishes importing; the finder
 removes itself once that has happened. Nothing happens when transformers is not installed.
+
+The finder wraps the loader of :mod:`diffattn.hf.configuration` the same way: when that module
+is imported first, its own import of transformers finds it half-built, so :func:`register`
+leaves it alone then and pairs it with :mod:`diffattn.hf.modeling` once it is complete.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import importlib.abc
 import importlib.util
 import sys
 import warnings
+
+WATCHED = ("transformers", "diffattn.hf.configuration")
+"""The modules after whose import :func:`diffattn.hf.register` runs."""
 
 
 def _register_quietly() -> None:
@@ -27,7 +34,7 @@ def _register_quietly() -> None:
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the loader of ``transformers`` found by the other finders.
+    """Finds nothing itself; wraps the loaders of :data:`WATCHED` found by the other finders.
 
     It stays installed until transformers has actually been executed, so availability checks
     such as ``importlib.util.find_spec("transformers")`` (which also consult this finder but
@@ -35,7 +42,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "transformers":
+        if fullname not in WATCHED:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -52,7 +59,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
         def exec_and_register(module):
             exec_module(module)
-            if finder in sys.meta_path:
+            if fullname == "transformers" and finder in sys.meta_path:
                 sys.meta_path.remove(finder)
             _register_quietly()
 

@@ -209,14 +209,13 @@ class DiffAttnConfig(PretrainedConfig):
 
 
 def _register() -> None:
-    """Make ``AutoConfig`` know ``model_type: diffattn`` as soon as this class exists, and
-    bring in the model class, which registers itself with ``AutoModelForCausalLM``."""
-    import importlib
-
+    """Make ``AutoConfig`` know ``model_type: diffattn`` as soon as this class exists. The model
+    class registers itself with ``AutoModelForCausalLM`` when :mod:`diffattn.hf.modeling` is
+    imported; :func:`diffattn.hf.register` pairs the two (``import diffattn`` arranges that it
+    runs once this module or transformers has been imported, :mod:`diffattn.hf.autoregister`)."""
     from transformers import AutoConfig
 
     AutoConfig.register(DiffAttnConfig.model_type, DiffAttnConfig, exist_ok=True)
-    importlib.import_module("diffattn.hf.modeling")
 
 
 _register()
