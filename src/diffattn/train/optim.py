@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from diffattn.train.config import ConfigError, OptimSection, ScheduleSection
+from diffattn.train.fields import ConfigError
+from diffattn.train.sections import OptimSection, ScheduleSection
 
 EMBEDDING_NAME = "embed_tokens.weight"
 HEAD_NAME = "lm_head"
