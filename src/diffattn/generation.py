@@ -451,6 +451,35 @@ def generate(
     config = config if config is not None else GenerationConfig()
     if overrides:
         config = config.replace(**overrides)
+    pad_id = _check_request(model, input_ids, config)
+    bsz, prompt_len = input_ids.shape
+    device = model.embed_tokens.weight.device
+    input_ids = input_ids.to(device=device, dtype=torch.long)
+    vocab = model.config.vocab_size
+    if bool((input_ids < 0).any()) or bool((input_ids >= vocab).any()):
+        raise ValueError(f"input_ids hold ids outside the model's vocabulary of {vocab}")
+    prompt_mask = _prepare_mask(attention_mask, (bsz, prompt_len), device)
+    put, end = _streamer_calls(streamer)
+    if generator is None and config.seed is not None and not config.greedy:
+        generator = torch.Generator(device=device).manual_seed(config.seed)
+    decoding = _start_decoding(model, config, prompt_mask, bsz, prompt_len, device)
+    logits = decoding.prefill(input_ids, config.prefill_chunk_size or prompt_len)
+    columns, finished = _decode(decoding, logits, config, generator, prompt_len, pad_id, put)
+    if end is not None:
+        end()
+    sequences = torch.cat([input_ids, torch.stack(columns, dim=1)], dim=1)
+    return GenerationOutput(
+        sequences=sequences,
+        num_new_tokens=len(columns),
+        finished=finished,
+        prompt_length=prompt_len,
+    )
+
+
+def _check_request(model: DiffTransformerLM, input_ids: Any, config: GenerationConfig) -> int:
+    """Refuse a prompt that is not a non-empty 2-D tensor of integer ids, one too long for the
+    model (``P + max_new_tokens > max_seq_len``), or EOS/pad ids outside the vocabulary;
+    returns the pad id (``pad_token_id``, else the first EOS id, else 0)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None
         raise ValueError(
@@ -458,7 +487,7 @@ def generate(
         )
     if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-    bsz, prompt_len = input_ids.shape
+    prompt_len = input_ids.shape[1]
     new = config.max_new_tokens
     max_seq_len = model.config.max_seq_len
     if prompt_len + new > max_seq_len:
@@ -472,50 +501,91 @@ def generate(
     for name, ids in (("eos_token_id", eos_ids), ("pad_token_id", (pad_id,))):
         if any(i >= vocab for i in ids):
             raise ValueError(f"{name} {ids} is outside the model's vocabulary of {vocab}")
+    return pad_id
 
-    weight = model.embed_tokens.weight
-    device = weight.device
-    input_ids = input_ids.to(device=device, dtype=torch.long)
-    if bool((input_ids < 0).any()) or bool((input_ids >= vocab).any()):
-        raise ValueError(f"input_ids hold ids outside the model's vocabulary of {vocab}")
-    prompt_mask = _prepare_mask(attention_mask, (bsz, prompt_len), device)
-    put, end = _streamer_calls(streamer)
-    if generator is None and config.seed is not None and not config.greedy:
-        generator = torch.Generator(device=device).manual_seed(config.seed)
 
-    total = prompt_len + new
+@dataclass
+class _Decoding:
+    """Where a generation decodes (module docstring, "Caches"): the model, its cache, whether
+    that cache is static, the step a static cache decodes with (:func:`decode_step`, compiled
+    or not), and the ``(B, P + max_new_tokens)`` mask when the prompt is padded."""
+
+    model: DiffTransformerLM
+    cache: DynamicCache | StaticCache
+    static: bool
+    step: Callable[..., torch.Tensor]
+    full_mask: torch.Tensor | None
+    device: torch.device
+
+    def prefill(self, input_ids: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Run the prompt into the cache, ``chunk`` tokens at a time (eagerly, also when the
+        decode step is compiled); the last position's logits ``(B, vocab)``."""
+        model, cache, full_mask = self.model, self.cache, self.full_mask
+        prompt_len = input_ids.shape[1]
+        for start in range(0, prompt_len, chunk):
+            stop = min(prompt_len, start + chunk)
+            piece = input_ids[:, start:stop]
+            if self.static:
+                slots = torch.arange(start, stop, device=self.device)
+                logits = decode_step(model, cache, piece, full_mask, slots)
+            else:
+                mask = full_mask[:, :stop] if full_mask is not None else None
+                logits = model(piece, attention_mask=mask, past_key_values=cache).logits[:, -1]
+        return logits
+
+
+def _start_decoding(
+    model: DiffTransformerLM,
+    config: GenerationConfig,
+    prompt_mask: torch.Tensor | None,
+    bsz: int,
+    prompt_len: int,
+    device: torch.device,
+) -> _Decoding:
+    """The mask of prompt and generated tokens (padded prompts only), and the cache and step
+    :func:`decoding_plan` chooses: a :class:`StaticCache` of ``P + max_new_tokens`` slots
+    (refused on flash attention) with a compiled step when it compiles, else a
+    :class:`DynamicCache`."""
+    total = prompt_len + config.max_new_tokens
     full_mask = None  # (B, P + max_new_tokens): prompt mask, then ones for generated tokens
     if prompt_mask is not None:
         full_mask = torch.ones(bsz, total, dtype=torch.long, device=device)
         full_mask[:, :prompt_len] = prompt_mask
     cache_kind, compile_mode = decoding_plan(config, model, device)
     static = cache_kind == "static"
+    step = decode_step
     if static:
         refusal = _static_refusal(model, device)
         if refusal is not None:
             raise ValueError(refusal)
-        cache = StaticCache(model.config, bsz, total, device=device, dtype=weight.dtype)
-        step = decode_step
+        dtype = model.embed_tokens.weight.dtype
+        cache = StaticCache(model.config, bsz, total, device=device, dtype=dtype)
         if compile_mode is not None:
             step = compiled_decode_step(config.compile_backend, compile_mode)
             mark_static_cache(cache)
     else:
         cache = DynamicCache()
+    return _Decoding(model, cache, static, step, full_mask, device)
 
-    # Prefill, in chunks if asked: the cache then holds the prompt.
-    chunk = config.prefill_chunk_size or prompt_len
-    for start in range(0, prompt_len, chunk):
-        stop = min(prompt_len, start + chunk)
-        piece = input_ids[:, start:stop]
-        if static:
-            slots = torch.arange(start, stop, device=device)
-            logits = decode_step(model, cache, piece, full_mask, slots)
-        else:
-            mask = full_mask[:, :stop] if full_mask is not None else None
-            logits = model(piece, attention_mask=mask, past_key_values=cache).logits[:, -1]
 
+def _decode(
+    decoding: _Decoding,
+    logits: torch.Tensor,
+    config: GenerationConfig,
+    generator: torch.Generator | None,
+    prompt_len: int,
+    pad_id: int,
+    put: Callable | None,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The decode loop from the prefill's ``logits``: one sampled token column per step
+    (stopped rows get ``pad_id``), streamed to ``put``, until ``max_new_tokens`` or every row
+    has emitted an EOS id; returns the columns and the ``(B,)`` finished flags."""
+    model, cache, static, step = decoding.model, decoding.cache, decoding.static, decoding.step
+    full_mask, device = decoding.full_mask, decoding.device
+    new = config.max_new_tokens
+    eos_ids = config.eos_token_ids
     eos = torch.tensor(eos_ids, device=device) if eos_ids else None
-    finished = torch.zeros(bsz, dtype=torch.bool, device=device)
+    finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
     columns: list[torch.Tensor] = []
     for i in range(new):
         token = sample_next_token(logits, config, generator)
@@ -536,12 +606,4 @@ def generate(
             mask = full_mask[:, : slot + 1] if full_mask is not None else None
             logits = model(token[:, None], attention_mask=mask, past_key_values=cache).logits
             logits = logits[:, -1]
-    if end is not None:
-        end()
-    sequences = torch.cat([input_ids, torch.stack(columns, dim=1)], dim=1)
-    return GenerationOutput(
-        sequences=sequences,
-        num_new_tokens=len(columns),
-        finished=finished,
-        prompt_length=prompt_len,
-    )
+    return columns, finished
