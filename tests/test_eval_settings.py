@@ -190,3 +190,118 @@ def test_the_settings_block_is_unchanged(zoo, tmp_path, experiment, one_thread):
     header = (out / "report.md").read_text().split("\n")[3]
     block = json.dumps(SETTINGS[experiment], sort_keys=True).replace("ROOT", str(zoo))
     assert header.endswith(f"settings `{block}`")
+
+
+# ------------------------------------------------------------------------------------------------
+# each setting declared once
+# ------------------------------------------------------------------------------------------------
+CONVERTED = {"effective"}
+"""The experiments whose settings are one dataclass (all of them, once converted)."""
+REQUIRED = {"attention": ["--prompt", "x"], "hallucination": ["--data", "d.jsonl"]}
+"""What a bare command line of each experiment needs besides MODEL."""
+PYTHON_DEFAULTS = {}
+"""Settings whose default in Python differs from the command line's, on purpose."""
+
+
+def _experiments():
+    from diffattn.commands.eval import experiments
+
+    return [m for m in experiments() if m.NAME in CONVERTED]
+
+
+def _settings_class(module):
+    from diffattn.eval.settings import Settings
+
+    cls = getattr(module.add_arguments, "__self__", None)
+    assert isinstance(cls, type) and issubclass(cls, Settings), (
+        f"{module.__name__}.add_arguments is not generated from a settings dataclass"
+    )
+    return cls
+
+
+@pytest.mark.parametrize("module", _experiments(), ids=lambda m: m.NAME)
+def test_run_takes_the_settings_and_declares_no_default_of_its_own(module):
+    import dataclasses
+    import inspect
+
+    names = {f.name for f in dataclasses.fields(_settings_class(module))}
+    for parameter in inspect.signature(module.run).parameters.values():
+        if parameter.default is not inspect.Parameter.empty:
+            assert parameter.name not in names, f"{module.NAME}.run declares {parameter.name}"
+
+
+@pytest.mark.parametrize("module", _experiments(), ids=lambda m: m.NAME)
+def test_no_option_is_written_by_hand(module):
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(module))
+    settings_classes = {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.ClassDef) and node.name == _settings_class(module).__name__
+    }
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in settings_classes:
+            continue
+        for call in ast.walk(node):
+            if not isinstance(call, ast.Call):
+                continue
+            name = getattr(call.func, "attr", getattr(call.func, "id", ""))
+            assert name not in ("add_argument", "set_defaults"), (module.NAME, ast.unparse(call))
+            keywords = [k.arg for k in call.keywords]
+            assert "default" not in keywords, (module.NAME, ast.unparse(call))
+
+
+@pytest.mark.parametrize("module", _experiments(), ids=lambda m: m.NAME)
+def test_the_parsed_defaults_are_the_dataclass_defaults(module):
+    import argparse
+    import dataclasses
+
+    from diffattn.eval.common import add_common_arguments
+
+    cls = _settings_class(module)
+    parser = argparse.ArgumentParser()
+    add_common_arguments(parser)
+    module.add_arguments(parser)
+    args = parser.parse_args(["MODEL", *REQUIRED.get(module.NAME, [])])
+    for key, value in (getattr(args, "data_defaults", None) or {}).items():
+        setattr(args, key, value)  # what diffattn eval does for a model without a recipe
+    parsed, default = dataclasses.asdict(cls.from_args(args)), dataclasses.asdict(cls())
+    given = {flag.lstrip("-").replace("-", "_") for flag in REQUIRED.get(module.NAME, [])}
+    for name, value in parsed.items():
+        if name in given:
+            continue
+        expected = PYTHON_DEFAULTS.get((module.NAME, name), default[name])
+        want = list(expected) if isinstance(expected, tuple) else expected
+        assert value == want, f"{module.NAME}: {name}"
+
+
+def test_run_by_name_refuses_a_misspelt_setting():
+    from diffattn.eval import effective
+
+    with pytest.raises(TypeError, match="run\\(\\) got an unexpected keyword argument 'windw'"):
+        effective.run([], windw=3)
+    with pytest.raises(TypeError, match="takes EffectiveSettings"):
+        effective.run([], {"windows": 3})
+
+
+WINDOWS = "--seq-len and --max-tokens must be at least 2, --batch-size at least 1"
+MESSAGES = [
+    ("effective", {"windows": 0}, "--windows, --max-heads and --steps must be at least 1"),
+    ("effective", {"steps": 0}, "--windows, --max-heads and --steps must be at least 1"),
+    ("effective", {"seq_len": 1}, WINDOWS),
+    ("effective", {"max_tokens": 1}, WINDOWS),
+]
+"""Each bound's message, word for word as the experiments have always worded it."""
+
+
+@pytest.mark.parametrize(("experiment", "changes", "message"), MESSAGES)
+def test_each_bound_has_its_message(experiment, changes, message):
+    import importlib
+
+    module = importlib.import_module(f"diffattn.eval.{experiment}")
+    settings = _settings_class(module)(**changes)
+    with pytest.raises(ValueError) as error:
+        settings.check()
+    assert str(error.value) == message

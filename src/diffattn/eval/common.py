@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffattn.eval.settings import Settings, setting
 from diffattn.loading import TextTokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -312,36 +313,38 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def add_common_arguments(parser: Any) -> None:
-    """``MODEL``, ``--compare``, ``--dex``, ``--out``, ``--device``, ``--dtype``,
-    ``--batch-size``, ``--seed`` and ``--quiet``."""
-    parser.add_argument(
-        "model",
+@dataclass(frozen=True)
+class CommonOptions(Settings):
+    """The options every ``diffattn eval`` experiment has: ``MODEL``, ``--compare``, ``--dex``,
+    ``--out``, ``--device``, ``--dtype``, ``--batch-size``, ``--seed`` and ``--quiet``.
+    An experiment whose ``run`` takes ``batch_size`` or ``seed`` declares it with
+    :func:`~diffattn.eval.settings.shared`."""
+
+    model: str = setting(
+        positional=True,
         metavar="MODEL",
         help="diffattn or Hugging Face model directory, a .gguf file, smollm2, "
         "or a Dex adapter/run directory",
     )
-    parser.add_argument(
-        "--compare",
-        nargs="+",
-        default=[],
-        metavar="MODEL2",
-        help="more models evaluated the same way, side by side",
+    compare: tuple[str, ...] = setting(
+        (), metavar="MODEL2", help="more models evaluated the same way, side by side"
     )
-    parser.add_argument("--dex", metavar="ADAPTER", help="apply this Dex adapter to MODEL first")
-    parser.add_argument("--out", help="output directory (default: runs/eval/<experiment>)")
-    parser.add_argument(
-        "--device", default="auto", help="cpu, cuda or auto (default: auto: CUDA when available)"
+    dex: str | None = setting(None, metavar="ADAPTER", help="apply this Dex adapter to MODEL first")
+    out: str | None = setting(None, help="output directory (default: runs/eval/<experiment>)")
+    device: str = setting(
+        "auto", help="cpu, cuda or auto (default: {default}: CUDA when available)"
     )
-    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    dtype: str = setting("fp32", choices=tuple(sorted(DTYPES)))
+    batch_size: int = setting(8, help="sequences per forward", min=1)
+    seed: int = setting(0)
+    quiet: bool = setting(False, help="no progress bars")
+
+
+add_common_arguments = CommonOptions.add_arguments
 
 
 def models_from_args(args: Any) -> list[EvalModel]:
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
+    CommonOptions.from_args(args).check()  # --batch-size must be at least 1
     return load_models([args.model, *args.compare], args.dex, args.device, args.dtype)
 
 

@@ -24,12 +24,14 @@ and ``nearest_vs_optim`` shows optimisation approaching the nearest solution.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from diffattn.eval.common import (
+    CommonOptions,
     EvalModel,
     finish,
     markdown_table,
@@ -37,26 +39,34 @@ from diffattn.eval.common import (
     progress,
     pyplot,
     save_figure,
-    settings_of,
 )
-from diffattn.eval.text import DATA_SETTINGS, add_data_arguments, model_windows, start_run
+from diffattn.eval.settings import like, setting, shared
+from diffattn.eval.text import DataSettings, model_windows, open_documents
 
 NAME = "effective"
 HELP = "Dex effective attention: pinv and optimisation estimates and their agreement (App. F.3)"
 
 
-def add_arguments(parser: Any) -> None:
-    add_data_arguments(parser, seq_len=64, max_tokens=256)
-    parser.add_argument("--windows", type=int, default=2, help="windows per head (default 2)")
-    parser.add_argument(
-        "--max-heads",
-        type=int,
-        default=8,
-        help="adapted heads to analyse, in layer order (default 8)",
+COUNTS = "--windows, --max-heads and --steps must be at least 1"
+
+
+@dataclass(frozen=True)
+class EffectiveSettings(DataSettings):
+    """The settings of ``diffattn eval effective`` (and of :func:`run`)."""
+
+    seq_len: int = like(DataSettings, "seq_len", 64)
+    max_tokens: int = like(DataSettings, "max_tokens", 256)
+    windows: int = setting(2, min=1, error=COUNTS, help="windows per head (default {default})")
+    max_heads: int = setting(
+        8, min=1, error=COUNTS, help="adapted heads to analyse, in layer order (default {default})"
     )
-    parser.add_argument("--steps", type=int, default=100, help="optimisation steps (App. F.3)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="optimisation learning rate")
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    steps: int = setting(100, min=1, error=COUNTS, help="optimisation steps (App. F.3)")
+    lr: float = setting(1e-3, help="optimisation learning rate")
+    optimizer: Literal["adam", "sgd"] = setting("adam")
+    seed: int = shared(CommonOptions, "seed")
+
+
+add_arguments = EffectiveSettings.add_arguments
 
 
 def invisible_share(attn: torch.Tensor, values: torch.Tensor) -> float:
@@ -116,39 +126,31 @@ def adapted_heads(model: EvalModel, limit: int) -> list[tuple[int, int]]:
 
 def run(
     models: Sequence[EvalModel],
-    data: Sequence[str] = ("stdlib",),
-    split: str = "valid",
-    valid_fraction: float = 0.02,
-    data_seed: int = 0,
-    seq_len: int = 64,
-    max_tokens: int = 256,
-    windows: int = 2,
-    max_heads: int = 8,
-    steps: int = 100,
-    lr: float = 1e-3,
-    optimizer: str = "adam",
-    batch_size: int = 1,
-    seed: int = 0,
+    settings: EffectiveSettings | None = None,
+    *,
     quiet: bool = True,
+    **changes: Any,
 ) -> dict[str, Any]:
-    """Effective-attention estimates and their agreement for each model's adapted heads."""
+    """Effective-attention estimates and their agreement for each model's adapted heads
+    (``settings``, or its fields by name: ``run(models, windows=3)``)."""
     from diffattn.dex.effective import head_tensors
 
-    if windows < 1 or max_heads < 1 or steps < 1:
-        raise ValueError("--windows, --max-heads and --steps must be at least 1")
-    docs, results = start_run(
-        data, split, valid_fraction, data_seed, seq_len, max_tokens, batch_size, seed
-    )
+    settings = EffectiveSettings.given(settings, changes)
+    settings.check()
+    docs, results = open_documents(settings, settings.seed)
     for model in models:
-        heads = adapted_heads(model, max_heads)
-        pieces = model_windows(model, docs, seq_len, max_tokens)[:windows]
+        heads = adapted_heads(model, settings.max_heads)
+        pieces = model_windows(model, docs, settings.seq_len, settings.max_tokens)
+        pieces = pieces[: settings.windows]
         rows = []
         for layer, head in progress(heads, len(heads), f"effective {model.name}", quiet):
             per_window = []
             for piece in pieces:
                 ids = torch.tensor([piece], device=model.device)
                 tensors = head_tensors(model.model, ids, layer, head)
-                per_window.append(head_report(tensors, steps, lr, optimizer))
+                per_window.append(
+                    head_report(tensors, settings.steps, settings.lr, settings.optimizer)
+                )
             mean = {k: sum(w[k] for w in per_window) / len(per_window) for k in per_window[0]}
             rows.append({"layer": layer, "head": head, "windows": len(per_window), **mean})
         results["models"][model.name] = {"heads": rows}
@@ -212,9 +214,8 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(args: Any) -> int:
+    settings = EffectiveSettings.from_args(args)
     models = models_from_args(args)
-    keys = (*DATA_SETTINGS, "windows", "max_heads", "steps", "lr", "optimizer", "seed")
-    settings = settings_of(args, keys)
-    results = run(models, quiet=args.quiet, **settings)
+    results = run(models, settings, quiet=args.quiet)
     figure = plot_agreement(results, Path(args.out) / "effective_agreement.png")
-    return finish(args, NAME, results, models, report(results), settings, [figure])
+    return finish(args, NAME, results, models, report(results), settings.report(), [figure])

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 import torch
 
@@ -23,9 +24,53 @@ from diffattn.eval.common import (
     require_tokenizer,
     seed_everything,
 )
+from diffattn.eval.settings import Settings, setting
 
-DATA_SETTINGS = ("data", "split", "valid_fraction", "data_seed", "seq_len", "max_tokens")
-"""The data options of :func:`add_data_arguments`, as ``run`` keyword names."""
+WINDOW_BOUNDS = "--seq-len and --max-tokens must be at least 2, --batch-size at least 1"
+"""The message of ``--seq-len``, ``--max-tokens`` and ``--batch-size`` out of bounds (each
+experiment's ``batch_size`` joins it)."""
+
+
+@dataclass(frozen=True)
+class DataSettings(Settings):
+    """The document settings of an experiment that reads held-out text: ``--data``,
+    ``--split``, ``--valid-fraction``, ``--data-seed`` (as eval loss reads documents),
+    ``--seq-len`` and ``--max-tokens``. The first four and ``--seq-len`` default to the
+    evaluated run's own recipe (:mod:`diffattn.eval.run_split`), else to these defaults. An
+    experiment declares its own ``seq_len`` and ``max_tokens`` defaults with
+    :func:`~diffattn.eval.settings.like` (these are eval loss's)."""
+
+    data: tuple[str, ...] = setting(
+        ("stdlib",), recipe=True, help="data specs (default: the run's data.sources, else stdlib)"
+    )
+    split: Literal["valid", "all"] = setting(
+        "valid", help="held-out documents only (default) or every document"
+    )
+    valid_fraction: float = setting(
+        0.02,
+        recipe=True,
+        help="the recipe's data.valid_fraction (default: the run's, else {default})",
+    )
+    data_seed: int = setting(
+        0, recipe=True, help="the recipe's data.seed (default: the run's, else {default})"
+    )
+    seq_len: int = setting(
+        512,
+        recipe=True,
+        min=2,
+        error=WINDOW_BOUNDS,
+        help="context window (default: the run's seq_len, else {default})",
+    )
+    max_tokens: int = setting(
+        200_000,
+        min=2,
+        error=WINDOW_BOUNDS,
+        help="token budget over all windows (default {default:,})",
+    )
+
+
+DATA_SETTINGS = tuple(f.name for f in fields(DataSettings))
+"""The document settings, as ``run`` keyword names."""
 
 
 def add_data_arguments(parser: Any, seq_len: int, max_tokens: int) -> None:
@@ -164,6 +209,14 @@ def window_nll(
         nll = token_nll(logits, ids, mask).cpu()
         out.extend(nll[row, : len(piece) - 1] for row, piece in enumerate(group))
     return out
+
+
+def open_documents(settings: DataSettings, seed: int) -> tuple[list[str], dict[str, Any]]:
+    """Seed, read the documents of ``settings``; the documents and the results dictionary to
+    fill (``models``, ``documents``, ``data_fingerprint``)."""
+    seed_everything(seed)
+    docs = documents(settings.data, settings.split, settings.valid_fraction, settings.data_seed)
+    return docs, {"models": {}, "documents": len(docs), "data_fingerprint": fingerprint(docs)}
 
 
 def start_run(

@@ -1,0 +1,273 @@
+"""One declaration per setting of a ``diffattn eval`` experiment.
+
+A setting is a field of the experiment's settings dataclass (a :class:`Settings`), declared
+once with :func:`setting`: its default, its type (``int``, ``float``, ``str``, ``Path``,
+``bool``, ``tuple[X, ...]``, ``X | None``, ``Literal[...]``), its bounds (``min``/``max``, or
+``choices``; a ``Literal`` type gives them), its help text and its flag (``--max-heads`` for
+``max_heads`` unless ``flag`` says otherwise). From that one class come
+
+1. the command's options (:meth:`Settings.add_arguments`): option strings, ``type``,
+   ``nargs``, ``choices``, ``default``, ``metavar`` and ``help`` (where ``{default}`` is
+   replaced by the field's default, a tuple written as its items separated by spaces);
+2. the settings object from the parsed command line (:meth:`Settings.from_args`);
+3. its validation (:meth:`Settings.check`): each bound's own error message, word for word as
+   the experiments have always worded it; settings that share one message are checked as one;
+4. the keyword form of ``run`` (:meth:`Settings.given`): ``run(models, settings)``, or
+   ``run(models, windows=3)`` as before, a misspelt name being the ``TypeError`` Python gives;
+5. the report's settings block (:meth:`Settings.report`, from :func:`dataclasses.asdict`).
+
+Why not jsonargparse (or another library that builds parsers from dataclasses): it would be a
+new dependency for a need of about 150 lines, and it writes a command line of its own, while
+every flag, default, help text and error message of ``diffattn eval`` must stay as it is
+(``tests/test_eval_cli_surface.py`` pins them). Tried with jsonargparse 4.53 on a dataclass
+like :class:`~diffattn.eval.effective.EffectiveSettings`: the flags keep the underscores
+(``--max_heads``, where ours is ``--max-heads``), each help ends in ``(type: int, default:
+2)``, the fields are listed under a ``<class ...>`` heading, a bad value reads ``Parser key
+"optimizer": Expected a typing.Literal['adam', 'sgd']. Got value: x`` instead of argparse's
+``invalid choice``, and ``--lengths 1 2`` is refused (a tuple is given as ``[1,2]``). Nor does
+it know our two conventions: document settings that default to the evaluated run's recipe
+(``recipe``), and options that every experiment shares
+(:class:`~diffattn.eval.common.CommonOptions`, :func:`shared`).
+
+This module is the eval layer's own (no import of the core or of torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar
+
+RECIPE_DEFAULTS = "data_defaults"
+"""The parser default under which ``diffattn eval`` finds the defaults of the ``recipe``
+settings, used when no run's recipe gives them (:func:`diffattn.eval.run_split.resolve`)."""
+
+S = TypeVar("S", bound="Settings")
+SAME: Any = type("Same", (), {"__repr__": lambda self: "SAME"})()
+"""``cli_default`` of a setting whose option defaults to the setting's default."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a setting says besides its name, type and default (see :func:`setting`)."""
+
+    help: str | None = None
+    flag: str | None = None
+    dest: str | None = None
+    metavar: str | None = None
+    choices: tuple[Any, ...] | None = None
+    min: float | None = None
+    max: float | None = None
+    error: str | None = None
+    max_error: str | None = None
+    required: bool = False
+    positional: bool = False
+    recipe: bool = False
+    command_only: bool = False
+    report_last: bool = False
+    group: str | None = None
+    cli_default: Any = SAME
+    parse: Callable[[Any], Any] | None = None
+    shared: bool = False
+
+
+def setting(default: Any = MISSING, **spec: Any) -> Any:
+    """A setting with its ``default`` (none: a required one) and what :class:`Spec` names:
+
+    * ``help``: the option's help; ``{default}`` in it is the default.
+    * ``flag``: the option string (default ``--`` and the name with dashes); ``dest``: where
+      argparse stores it when that is not the name (``--query`` → ``query``).
+    * ``min``/``max``: bounds, of each item of a tuple (which must not be empty); ``choices``
+      (a ``Literal`` type gives them); ``error``: the message when a bound fails or, given with
+      choices, when a value is not among them (choices without it are left to argparse);
+      ``max_error``: the message when only ``max`` fails. ``{name}`` in a message is the
+      value of setting ``name`` (a tuple as a list).
+    * ``required``: the command line must give it; ``positional``: an argument, not an option;
+      ``metavar``; ``group``: a required group of mutually exclusive options.
+    * ``recipe``: a document setting whose option defaults to ``None``, filled by
+      ``diffattn eval`` from the evaluated run's recipe, else from this default.
+    * ``command_only``: an option of the command that is no setting of ``run`` (not in the
+      report's settings block, not taken by ``run``); ``report_last``: at the end of the
+      report's settings block, where it has always been.
+    * ``cli_default`` and ``parse``: the option's own default and how its value becomes the
+      setting (``"all"`` → ``None``), for options whose text is not the value itself.
+    """
+    return dataclasses.field(default=default, metadata={"setting": Spec(**spec)})
+
+
+def like(source: type[Settings], name: str, default: Any = MISSING, **changes: Any) -> Any:
+    """Setting ``name`` of ``source`` declared in another settings class, with another default
+    or other :class:`Spec` entries (an experiment's own ``seq_len``, its own bounds)."""
+    original = source.__dataclass_fields__[name]
+    spec = dataclasses.replace(_spec(original), **changes)
+    return dataclasses.field(
+        default=original.default if default is MISSING else default,
+        metadata={"setting": spec},
+    )
+
+
+def shared(source: type[Settings], name: str, default: Any = MISSING, **changes: Any) -> Any:
+    """Setting ``name`` of ``source``, whose option ``source`` adds to the parser (the options
+    every experiment shares): read from the parsed command line, not added again."""
+    return like(source, name, default, shared=True, **changes)
+
+
+def _spec(f: dataclasses.Field) -> Spec:
+    return f.metadata.get("setting", Spec())
+
+
+def _shown(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+class _Words:
+    """A default as help shows it: a tuple as its items separated by spaces."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __format__(self, spec: str) -> str:
+        if isinstance(self.value, tuple | list):
+            return " ".join(str(v) for v in self.value)
+        return format(self.value, spec)
+
+
+class Settings:
+    """The base of an experiment's settings dataclass (``@dataclass(frozen=True)``)."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field]]
+
+    # ---- the command line -------------------------------------------------------------------
+    @classmethod
+    def add_arguments(cls, parser: Any) -> None:
+        """Add every setting's option to ``parser``, in field order (see the module's doc)."""
+        hints = typing.get_type_hints(cls)
+        groups: dict[str, Any] = {}
+        recipe: dict[str, Any] = {}
+        for f in fields(cls):
+            spec = _spec(f)
+            if spec.shared:
+                continue
+            if spec.recipe:
+                recipe[f.name] = _shown(f.default)
+            target = parser
+            if spec.group is not None:
+                if spec.group not in groups:
+                    groups[spec.group] = parser.add_mutually_exclusive_group(required=True)
+                target = groups[spec.group]
+            names, options = _option(f, spec, hints[f.name])
+            target.add_argument(*names, **options)
+        if recipe:
+            parser.set_defaults(**{RECIPE_DEFAULTS: recipe})
+
+    @classmethod
+    def from_args(cls: type[S], args: argparse.Namespace) -> S:
+        """The settings of a parsed command line (``recipe`` settings already filled in)."""
+        values = {}
+        for f in fields(cls):
+            spec = _spec(f)
+            value = getattr(args, spec.dest or f.name)
+            values[f.name] = spec.parse(value) if spec.parse is not None else value
+        return cls(**values)
+
+    # ---- run ---------------------------------------------------------------------------------
+    @classmethod
+    def given(
+        cls: type[S], settings: S | None, changes: Mapping[str, Any], function: str = "run"
+    ) -> S:
+        """``settings`` (default: every default) with ``changes`` by name, as ``run`` takes
+        them; a name that is no setting of ``run`` is Python's ``TypeError``."""
+        known = {f.name for f in fields(cls) if not _spec(f).command_only}
+        for name in changes:
+            if name not in known:
+                raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+        if settings is None:
+            settings = cls()
+        elif not isinstance(settings, cls):
+            raise TypeError(
+                f"{function}() takes {cls.__name__}, got {type(settings).__name__}: pass the "
+                "settings by name"
+            )
+        return dataclasses.replace(settings, **changes) if changes else settings
+
+    def check(self) -> None:
+        """``ValueError`` with the message of the first setting out of its bounds, in field
+        order (settings that share a message fail together)."""
+        shown = {f.name: _shown(getattr(self, f.name)) for f in fields(self)}
+        for f in fields(self):
+            spec = _spec(f)
+            value = getattr(self, f.name)
+            if value is None or (spec.min is None and spec.max is None and spec.error is None):
+                continue
+            items = list(value) if isinstance(value, tuple | list) else [value]
+            if spec.choices is not None:
+                if spec.error is not None and (
+                    not items or any(v not in spec.choices for v in items)
+                ):
+                    raise ValueError(spec.error.format(**shown))
+                continue
+            low = spec.min is not None and (not items or any(v < spec.min for v in items))
+            high = spec.max is not None and any(v > spec.max for v in items)
+            if high and spec.max_error is not None:
+                raise ValueError(spec.max_error.format(**shown))
+            if low or high:
+                raise ValueError(_message(f.name, spec, value).format(**shown))
+
+    # ---- the report --------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """The report's settings block: every setting of ``run``, in field order."""
+        values = dataclasses.asdict(self)  # type: ignore[call-overload]
+        kept = [f for f in fields(self) if not _spec(f).command_only]
+        ordered = [f for f in kept if not _spec(f).report_last]
+        ordered += [f for f in kept if _spec(f).report_last]
+        return {f.name: values[f.name] for f in ordered}
+
+
+def _message(name: str, spec: Spec, value: Any) -> str:
+    if spec.error is not None:
+        return spec.error
+    flag = spec.flag or "--" + name.replace("_", "-")
+    if spec.min is not None and value < spec.min:
+        return f"{flag} must be at least {spec.min:g}, got {{{name}}}"
+    return f"{flag} must be at most {spec.max:g}, got {{{name}}}"
+
+
+def _option(f: dataclasses.Field, spec: Spec, hint: Any) -> tuple[list[str], dict[str, Any]]:
+    """The ``add_argument`` arguments of one setting."""
+    flag = spec.flag or ("" if spec.positional else "--") + f.name.replace("_", "-")
+    options: dict[str, Any] = {}
+    default = f.default if spec.cli_default is SAME else spec.cli_default
+    if spec.recipe:
+        default = None
+    kind = hint
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))  # X | None: X
+    if kind is bool:
+        options["action"] = "store_false" if default else "store_true"
+    else:
+        if spec.parse is None:
+            if typing.get_origin(kind) is tuple:
+                options["nargs"] = "+"
+                kind = typing.get_args(kind)[0]
+            if typing.get_origin(kind) is Literal:
+                options["choices"] = typing.get_args(kind)
+            elif kind in (int, float, Path):
+                options["type"] = kind
+        if spec.choices is not None:
+            options["choices"] = spec.choices
+        if not spec.required and not spec.positional:
+            options["default"] = _shown(default)
+    if spec.required:
+        options["required"] = True
+    if spec.metavar is not None:
+        options["metavar"] = spec.metavar
+    if spec.help is not None:
+        options["help"] = spec.help.format(default=_Words(f.default))
+    if not spec.positional:
+        options["dest"] = spec.dest or f.name
+    return [flag], options
