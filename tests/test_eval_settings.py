@@ -195,7 +195,7 @@ def test_the_settings_block_is_unchanged(zoo, tmp_path, experiment, one_thread):
 # ------------------------------------------------------------------------------------------------
 # each setting declared once
 # ------------------------------------------------------------------------------------------------
-CONVERTED = {"effective"}
+CONVERTED = {"effective", "loss"}
 """The experiments whose settings are one dataclass (all of them, once converted)."""
 REQUIRED = {"attention": ["--prompt", "x"], "hallucination": ["--data", "d.jsonl"]}
 """What a bare command line of each experiment needs besides MODEL."""
@@ -292,6 +292,8 @@ MESSAGES = [
     ("effective", {"steps": 0}, "--windows, --max-heads and --steps must be at least 1"),
     ("effective", {"seq_len": 1}, WINDOWS),
     ("effective", {"max_tokens": 1}, WINDOWS),
+    ("loss", {"seq_len": 1}, WINDOWS),
+    ("loss", {"batch_size": 0}, WINDOWS),
 ]
 """Each bound's message, word for word as the experiments have always worded it."""
 

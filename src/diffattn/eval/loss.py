@@ -30,12 +30,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from diffattn.eval.common import (
+    CommonOptions,
     EvalModel,
     finish,
     markdown_table,
@@ -43,14 +45,14 @@ from diffattn.eval.common import (
     pyplot,
     require_tokenizer,
     save_figure,
-    settings_of,
 )
+from diffattn.eval.settings import setting, shared
 from diffattn.eval.text import (
-    DATA_SETTINGS,
-    add_data_arguments,
+    WINDOW_BOUNDS,
+    DataSettings,
     check_seq_len,
     documents,
-    start_run,
+    open_documents,
     window_nll,
     windows,
 )
@@ -59,22 +61,23 @@ NAME = "loss"
 HELP = "validation loss with AR-Hit / Others slices and cumulative NLL by position (DIFF Tab 6)"
 
 
-def add_arguments(parser: Any) -> None:
-    add_data_arguments(parser, seq_len=512, max_tokens=200_000)
-    parser.add_argument("--ngram", type=int, default=2, help="n of AR-Hit n-grams (default 2)")
-    parser.add_argument(
-        "--exclude-frequent",
-        type=int,
-        default=0,
-        metavar="K",
-        help="leave the K most frequent training n-grams out of AR-Hit",
+@dataclass(frozen=True)
+class LossSettings(DataSettings):
+    """The settings of ``diffattn eval loss`` (and of :func:`run`); the document settings'
+    defaults are eval loss's own."""
+
+    ngram: int = setting(2, help="n of AR-Hit n-grams (default {default})")
+    exclude_frequent: int = setting(
+        0, metavar="K", help="leave the K most frequent training n-grams out of AR-Hit"
     )
-    parser.add_argument(
-        "--train-data",
-        nargs="+",
-        default=None,
-        help="data specs to count frequent n-grams on (with --exclude-frequent)",
+    train_data: tuple[str, ...] | None = setting(
+        None, help="data specs to count frequent n-grams on (with --exclude-frequent)"
     )
+    batch_size: int = shared(CommonOptions, "batch_size", error=WINDOW_BOUNDS)
+    seed: int = shared(CommonOptions, "seed")
+
+
+add_arguments = LossSettings.add_arguments
 
 
 def ar_hit_mask(
@@ -186,35 +189,39 @@ def cumulative_nll(pieces, nlls, owner, seq_len: int) -> list[float]:
 
 def run(
     models: Sequence[EvalModel],
-    data: Sequence[str] = ("stdlib",),
-    split: str = "valid",
-    valid_fraction: float = 0.02,
-    data_seed: int = 0,
-    seq_len: int = 512,
-    max_tokens: int = 200_000,
-    ngram: int = 2,
-    exclude_frequent: int = 0,
-    train_data: Sequence[str] | None = None,
-    batch_size: int = 8,
-    seed: int = 0,
+    settings: LossSettings | None = None,
+    *,
     quiet: bool = True,
+    **changes: Any,
 ) -> dict[str, Any]:
-    """Fine-grained loss of every model on the same documents (see the module docstring)."""
-    if exclude_frequent and not train_data:
+    """Fine-grained loss of every model on the same documents (see the module docstring);
+    ``settings``, or its fields by name (``run(models, seq_len=256)``)."""
+    settings = LossSettings.given(settings, changes)
+    k = settings.exclude_frequent
+    if k and not settings.train_data:
         raise ValueError("--exclude-frequent needs --train-data to count n-grams on")
-    docs, results = start_run(
-        data, split, valid_fraction, data_seed, seq_len, max_tokens, batch_size, seed
+    settings.check()
+    docs, results = open_documents(settings, settings.seed)
+    train_docs = (
+        documents(settings.train_data, "all", settings.valid_fraction, settings.data_seed)
+        if k
+        else []
     )
-    train_docs = documents(train_data, "all", valid_fraction, data_seed) if exclude_frequent else []
     for model in models:
         exclude = None
-        if exclude_frequent:
+        if k:
             tokenizer = require_tokenizer(model)
-            exclude = frequent_ngrams(
-                (tokenizer.encode(d) for d in train_docs), ngram, exclude_frequent
-            )
+            tokens = (tokenizer.encode(d) for d in train_docs)
+            exclude = frequent_ngrams(tokens, settings.ngram, k)
         results["models"][model.name] = evaluate_model(
-            model, docs, seq_len, max_tokens, ngram, batch_size, exclude, quiet
+            model,
+            docs,
+            settings.seq_len,
+            settings.max_tokens,
+            settings.ngram,
+            settings.batch_size,
+            exclude,
+            quiet,
         )
     return results
 
@@ -271,9 +278,8 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(args: Any) -> int:
+    settings = LossSettings.from_args(args)
     models = models_from_args(args)
-    keys = (*DATA_SETTINGS, "ngram", "exclude_frequent", "train_data", "batch_size", "seed")
-    settings = settings_of(args, keys)
-    results = run(models, quiet=args.quiet, **settings)
+    results = run(models, settings, quiet=args.quiet)
     figure = plot_cumulative(results, Path(args.out) / "cumulative_nll.png")
-    return finish(args, NAME, results, models, report(results), settings, [figure])
+    return finish(args, NAME, results, models, report(results), settings.report(), [figure])
