@@ -195,7 +195,7 @@ def test_the_settings_block_is_unchanged(zoo, tmp_path, experiment, one_thread):
 # ------------------------------------------------------------------------------------------------
 # each setting declared once
 # ------------------------------------------------------------------------------------------------
-CONVERTED = {"effective", "loss"}
+CONVERTED = {"effective", "loss", "outliers"}
 """The experiments whose settings are one dataclass (all of them, once converted)."""
 REQUIRED = {"attention": ["--prompt", "x"], "hallucination": ["--data", "d.jsonl"]}
 """What a bare command line of each experiment needs besides MODEL."""

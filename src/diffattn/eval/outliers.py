@@ -26,12 +26,14 @@ layer), ``quantized_loss`` ({bits: mean NLL in nats}) and ``counts``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from diffattn.eval.common import (
+    CommonOptions,
     EvalModel,
     batches,
     finish,
@@ -40,14 +42,14 @@ from diffattn.eval.common import (
     progress,
     pyplot,
     save_figure,
-    settings_of,
 )
+from diffattn.eval.settings import like, setting, shared
 from diffattn.eval.text import (
-    DATA_SETTINGS,
-    add_data_arguments,
+    WINDOW_BOUNDS,
+    DataSettings,
     model_windows,
+    open_documents,
     padded,
-    start_run,
     window_nll,
 )
 
@@ -56,15 +58,20 @@ HELP = "top-k |attention logits| and |hidden states|, loss with 8/6/4-bit logits
 RANKS = ("top1", "top2", "top3", "top10", "top100", "median")
 
 
-def add_arguments(parser: Any) -> None:
-    add_data_arguments(parser, seq_len=512, max_tokens=50_000)
-    parser.add_argument(
-        "--bits",
-        type=int,
-        nargs="+",
-        default=[16, 8, 6, 4],
-        help="bit widths of the attention logits (16 = unquantized; default 16 8 6 4)",
+@dataclass(frozen=True)
+class OutliersSettings(DataSettings):
+    """The settings of ``diffattn eval outliers`` (and of :func:`run`)."""
+
+    max_tokens: int = like(DataSettings, "max_tokens", 50_000)
+    bits: tuple[int, ...] = setting(
+        (16, 8, 6, 4),
+        help="bit widths of the attention logits (16 = unquantized; default {default})",
     )
+    batch_size: int = shared(CommonOptions, "batch_size", error=WINDOW_BOUNDS)
+    seed: int = shared(CommonOptions, "seed")
+
+
+add_arguments = OutliersSettings.add_arguments
 
 
 def check_bits(bits: Sequence[int]) -> list[int]:
@@ -142,28 +149,24 @@ def quantized_loss(
 
 def run(
     models: Sequence[EvalModel],
-    data: Sequence[str] = ("stdlib",),
-    split: str = "valid",
-    valid_fraction: float = 0.02,
-    data_seed: int = 0,
-    seq_len: int = 512,
-    max_tokens: int = 50_000,
-    bits: Sequence[int] = (16, 8, 6, 4),
-    batch_size: int = 8,
-    seed: int = 0,
+    settings: OutliersSettings | None = None,
+    *,
     top_k: int = 100,
     quiet: bool = True,
+    **changes: Any,
 ) -> dict[str, Any]:
-    """Outlier statistics and quantized-logit loss of every model (see the module docstring)."""
+    """Outlier statistics and quantized-logit loss of every model (see the module docstring);
+    ``settings``, or its fields by name (``run(models, bits=(16, 4))``)."""
+    settings = OutliersSettings.given(settings, changes)
     if top_k < 100:
         raise ValueError(f"--top-k must be at least 100, got {top_k}")
-    bits = check_bits(bits)
-    docs, results = start_run(
-        data, split, valid_fraction, data_seed, seq_len, max_tokens, batch_size, seed
-    )
+    bits = check_bits(settings.bits)
+    settings.check()
+    docs, results = open_documents(settings, settings.seed)
+    batch_size = settings.batch_size
     results["bits"] = bits
     for model in models:
-        pieces = model_windows(model, docs, seq_len, max_tokens)
+        pieces = model_windows(model, docs, settings.seq_len, settings.max_tokens)
         entry = outlier_stats(model, pieces, batch_size, top_k, quiet)
         entry["quantized_loss"] = {
             b: quantized_loss(model, pieces, b, batch_size, quiet) for b in bits
@@ -242,12 +245,12 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(args: Any) -> int:
+    settings = OutliersSettings.from_args(args)
     models = models_from_args(args)
-    settings = settings_of(args, (*DATA_SETTINGS, "bits", "batch_size", "seed"))
-    results = run(models, quiet=args.quiet, **settings)
+    results = run(models, settings, quiet=args.quiet)
     out = Path(args.out)
     figures = [
         plot_topk(results, out / "outliers_topk.png"),
         plot_bits(results, out / "quantized_loss.png"),
     ]
-    return finish(args, NAME, results, models, report(results), settings, figures)
+    return finish(args, NAME, results, models, report(results), settings.report(), figures)
