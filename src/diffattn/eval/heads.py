@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from diffattn.eval.common import (
+    CommonOptions,
     EvalModel,
     batches,
     finish,
@@ -45,9 +47,9 @@ from diffattn.eval.common import (
     progress,
     pyplot,
     save_figure,
-    settings_of,
 )
-from diffattn.eval.text import DATA_SETTINGS, add_data_arguments, model_windows, padded, start_run
+from diffattn.eval.settings import like, setting, shared
+from diffattn.eval.text import WINDOW_BOUNDS, DataSettings, model_windows, open_documents, padded
 from diffattn.probe import AttentionEntropy, Capture, HeadOutputs, Probe
 
 NAME = "heads"
@@ -56,14 +58,20 @@ EPSILONS = (1e-4, 1e-6)
 DIFF_KINDS = ("diff_v1", "diff_v2", "diffllama")
 
 
-def add_arguments(parser: Any) -> None:
-    add_data_arguments(parser, seq_len=512, max_tokens=8192)
-    parser.add_argument(
-        "--layer",
-        type=int,
-        default=None,
-        help="layer of the cosine-distance and CKA matrix figures (default: the middle one)",
+@dataclass(frozen=True)
+class HeadsSettings(DataSettings):
+    """The settings of ``diffattn eval heads`` (and of :func:`run`, which reads no ``layer``:
+    that is the figures')."""
+
+    max_tokens: int = like(DataSettings, "max_tokens", 8192)
+    batch_size: int = shared(CommonOptions, "batch_size", error=WINDOW_BOUNDS)
+    seed: int = shared(CommonOptions, "seed")
+    layer: int | None = setting(
+        None, help="layer of the cosine-distance and CKA matrix figures (default: the middle one)"
     )
+
+
+add_arguments = HeadsSettings.add_arguments
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,20 +391,17 @@ def analyse_model(
 
 def run(
     models: Sequence[EvalModel],
-    data: Sequence[str] = ("stdlib",),
-    split: str = "valid",
-    valid_fraction: float = 0.02,
-    data_seed: int = 0,
-    seq_len: int = 512,
-    max_tokens: int = 8192,
-    batch_size: int = 8,
-    seed: int = 0,
+    settings: HeadsSettings | None = None,
+    *,
     quiet: bool = True,
+    **changes: Any,
 ) -> dict[str, Any]:
-    """Per-head analyses of every model on the same documents (see the module docstring)."""
-    docs, results = start_run(
-        data, split, valid_fraction, data_seed, seq_len, max_tokens, batch_size, seed
-    )
+    """Per-head analyses of every model on the same documents (see the module docstring);
+    ``settings``, or its fields by name (``run(models, seq_len=256)``)."""
+    settings = HeadsSettings.given(settings, changes)
+    settings.check()
+    docs, results = open_documents(settings, settings.seed)
+    seq_len, max_tokens, batch_size = settings.seq_len, settings.max_tokens, settings.batch_size
     results["epsilons"] = [f"{eps:g}" for eps in EPSILONS]
     for model in models:
         pieces = model_windows(model, docs, seq_len, max_tokens)
@@ -545,14 +550,14 @@ def report(results: dict[str, Any]) -> str:
 def main(args: Any) -> int:
     from diffattn.probe.models import view
 
+    settings = HeadsSettings.from_args(args)
     models = models_from_args(args)
     n_layers = min(len(view(m.model).layers) for m in models)
-    layer = n_layers // 2 if args.layer is None else args.layer
+    layer = n_layers // 2 if settings.layer is None else settings.layer
     if not 0 <= layer < n_layers:
         raise ValueError(f"--layer must be between 0 and {n_layers - 1}, got {layer}")
-    settings = settings_of(args, (*DATA_SETTINGS, "batch_size", "seed"))
-    results = run(models, quiet=args.quiet, **settings)
-    settings["layer"] = layer
+    settings = replace(settings, layer=layer)
+    results = run(models, settings, quiet=args.quiet)
     out = Path(args.out)
     figures = [
         plot_heatmaps(
@@ -578,4 +583,4 @@ def main(args: Any) -> int:
         plot_matrices(results, "cka", layer, "Linear CKA of head outputs", out / "cka.png"),
         plot_dex(results, out / "dex_shift.png"),
     ]
-    return finish(args, NAME, results, models, report(results), settings, figures)
+    return finish(args, NAME, results, models, report(results), settings.report(), figures)
