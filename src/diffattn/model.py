@@ -176,7 +176,31 @@ def labels_within_documents(labels: torch.Tensor, document_ids: torch.Tensor) ->
 
 
 class DiffTransformerLM(nn.Module):
-    """Decoder-only language model with baseline, DIFF V1 or DIFF V2 attention."""
+    """Decoder-only language model with baseline, DIFF V1 or DIFF V2 attention.
+
+    Calling it (:meth:`forward`), the inputs that shape who attends to whom:
+
+    * ``attention_mask``, 2-D ``(B, cached + N)``: 1 for real tokens and 0 for padding (left
+      or right), covering the cached tokens too; real tokens get the outputs they would get
+      without padding. 4-D ``(B or 1, 1, N, cached + N)``: the full mask (custom masks, packed
+      sequences), boolean (``True`` = may attend) or additive float (0 = may attend, the
+      dtype's minimum = may not); a row that may attend to nothing reads its own position.
+    * ``cache_position``: ``(N,)`` int64 tensor of consecutive slots of a pre-allocated cache
+      (:class:`~diffattn.cache.StaticCache`, or any cache with ``max_len`` and
+      ``set_cache_position``, such as the Hugging Face adapter's) for the new tokens
+      (fixed-shape decoding, e.g. a compiled decode step). ``attention_mask`` is then ``None``
+      or ``(B, cache.max_len)``, covering the whole buffer (slots after the new tokens are
+      ignored), and nothing is read back from the device.
+    * ``position_ids``: ``(B or 1, N)`` RoPE positions; by default they count the real tokens
+      (2-D masks) or run on from the cache length. Without a mask or cached tokens, positions
+      that restart inside a row (Hugging Face's padding-free format:
+      ``DataCollatorWithFlattening``) mark packed documents, as ``document_ids`` would.
+    * ``document_ids``: ``(B, N)`` integers: documents packed in a row, a run of equal ids per
+      document. Each token attends only to its own document, RoPE positions restart at 0 with
+      each (unless ``position_ids`` are given), no loss target crosses a boundary, and
+      ``max_seq_len`` bounds each document, not the row: every document gets the outputs it
+      gets alone. Not with a KV cache holding tokens, ``cache_position`` or a 4-D mask.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -458,16 +482,12 @@ class DiffTransformerLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> CausalLMOutput:
-        """Run the model.
+        """Run the model (the inputs' rules: the class docstring).
 
         Args:
             input_ids: ``(B, N)`` token ids (only the new tokens when a cache is given).
-            attention_mask: optional. 2-D ``(B, cached + N)``: 1 for real tokens and 0 for
-                padding (left or right), covering the cached tokens too; real tokens get the
-                outputs they would get without padding. 4-D ``(B or 1, 1, N, cached + N)``: the
-                full mask (custom masks, packed sequences), boolean (``True`` = may attend) or
-                additive float (0 = may attend, the dtype's minimum = may not); a row that may
-                attend to nothing reads its own position.
+            attention_mask: optional, 2-D ``(B, cached + N)`` (1 = real token, 0 = padding) or
+                4-D ``(B or 1, 1, N, cached + N)`` (the full mask, boolean or additive).
             labels: optional ``(B, N)``; the loss predicts ``labels[:, 1:]`` from positions
                 ``:-1``; ``-100`` is ignored (set it on padding).
             output_attentions: also return the per-layer maps. This computes attention with
@@ -476,25 +496,11 @@ class DiffTransformerLM(nn.Module):
             past_key_values: a :class:`~diffattn.cache.DynamicCache` or
                 :class:`~diffattn.cache.StaticCache` holding earlier tokens; it is updated.
             use_cache: start a :class:`~diffattn.cache.DynamicCache` when none is given.
-            cache_position: optional ``(N,)`` int64 tensor of consecutive slots of a
-                pre-allocated cache (:class:`~diffattn.cache.StaticCache`, or any cache with
-                ``max_len`` and ``set_cache_position``, such as the Hugging Face adapter's) for
-                the new tokens (fixed-shape decoding, e.g. a compiled decode step).
-                ``attention_mask`` is then ``None`` or ``(B, cache.max_len)``, covering the
-                whole buffer (slots after the new tokens are ignored), and nothing is read back
-                from the device.
+            cache_position: optional ``(N,)`` int64 slots of a pre-allocated cache for the new
+                tokens (fixed-shape decoding).
             inputs_embeds: ``(B, N, d_model)`` instead of ``input_ids`` (soft prompts).
-            position_ids: optional ``(B or 1, N)`` RoPE positions; by default they count the
-                real tokens (2-D masks) or run on from the cache length. Without a mask or
-                cached tokens, positions that restart inside a row (Hugging Face's padding-free
-                format: ``DataCollatorWithFlattening``) mark packed documents, as
-                ``document_ids`` would.
-            document_ids: optional ``(B, N)`` integers: documents packed in a row, a run of
-                equal ids per document. Each token attends only to its own document, RoPE
-                positions restart at 0 with each (unless ``position_ids`` are given), no loss
-                target crosses a boundary, and ``max_seq_len`` bounds each document, not the
-                row: every document gets the outputs it gets alone. Not with a KV cache holding
-                tokens, ``cache_position`` or a 4-D mask.
+            position_ids: optional ``(B or 1, N)`` RoPE positions.
+            document_ids: optional ``(B, N)`` integers: documents packed in a row.
         """
         x = self._embed(input_ids, inputs_embeds)
         bsz, n = x.shape[:2]
@@ -503,17 +509,32 @@ class DiffTransformerLM(nn.Module):
             cache = DynamicCache()
         past = 0 if cache is None or cache_position is not None else cache.get_seq_length()
         mask, positions, document_ids = self._attention_inputs(
-            attention_mask,
-            cache,
-            cache_position,
-            position_ids,
-            document_ids,
-            past,
-            bsz,
-            n,
+            attention_mask, cache, cache_position, position_ids, document_ids, past, bsz, n,
             x.device,
-        )
+        )  # fmt: skip
         rope = self.rotary(positions)
+        x, maps, hidden = self._decode_layers(
+            x, rope, mask, cache, output_attentions, output_hidden_states
+        )
+        # the module call (not F.linear on its weight) lets a tensor-parallel plan shard it
+        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.output_weight)
+        loss = None
+        if labels is not None:
+            loss = self._loss(logits, labels, document_ids, bsz, n)
+        return CausalLMOutput(
+            logits=logits,
+            loss=loss,
+            attentions=tuple(m.diff for m in maps) if maps is not None else None,
+            attention_maps=tuple(maps) if maps is not None else None,
+            hidden_states=tuple(hidden) if hidden is not None else None,
+            past_key_values=cache,
+            documents=document_ids,
+        )
+
+    def _decode_layers(self, x, rope, mask, cache, output_attentions, output_hidden_states):
+        """The decoder blocks (Eq.4–5 each; checkpointed in training when asked), the cache's
+        advance past this call's tokens, and the final RMSNorm: ``(x, maps, hidden states)``,
+        the lists ``None`` unless asked for (the last hidden state is the normed one)."""
         hidden = [x] if output_hidden_states else None
         maps = [] if output_attentions else None
         checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
@@ -534,28 +555,20 @@ class DiffTransformerLM(nn.Module):
         x = self.norm(x)
         if output_hidden_states:
             hidden[-1] = x
-        # the module call (not F.linear on its weight) lets a tensor-parallel plan shard it
-        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.output_weight)
+        return x, maps, hidden
 
-        loss = None
-        if labels is not None:
-            if labels.shape != (bsz, n):
-                raise ValueError(
-                    f"labels shape {tuple(labels.shape)} does not match "
-                    f"the input's (batch, seq_len) = {(bsz, n)}"
-                )
-            if document_ids is not None:
-                labels = labels_within_documents(labels, document_ids)
-            loss = next_token_loss(logits, labels)
-        return CausalLMOutput(
-            logits=logits,
-            loss=loss,
-            attentions=tuple(m.diff for m in maps) if maps is not None else None,
-            attention_maps=tuple(maps) if maps is not None else None,
-            hidden_states=tuple(hidden) if hidden is not None else None,
-            past_key_values=cache,
-            documents=document_ids,
-        )
+    @staticmethod
+    def _loss(logits, labels, document_ids, bsz, n) -> torch.Tensor:
+        """Mean next-token cross-entropy (:func:`next_token_loss`), no target crossing a
+        packed document's boundary; refuses labels not shaped like the input."""
+        if labels.shape != (bsz, n):
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} does not match "
+                f"the input's (batch, seq_len) = {(bsz, n)}"
+            )
+        if document_ids is not None:
+            labels = labels_within_documents(labels, document_ids)
+        return next_token_loss(logits, labels)
 
 
 def count_parameters(config: ModelConfig, exclude_embeddings: bool = False) -> int:
