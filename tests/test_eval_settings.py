@@ -195,7 +195,7 @@ def test_the_settings_block_is_unchanged(zoo, tmp_path, experiment, one_thread):
 # ------------------------------------------------------------------------------------------------
 # each setting declared once
 # ------------------------------------------------------------------------------------------------
-CONVERTED = {"effective", "loss", "outliers", "heads"}
+CONVERTED = {"effective", "loss", "outliers", "heads", "hessian"}
 """The experiments whose settings are one dataclass (all of them, once converted)."""
 REQUIRED = {"attention": ["--prompt", "x"], "hallucination": ["--data", "d.jsonl"]}
 """What a bare command line of each experiment needs besides MODEL."""
@@ -296,6 +296,9 @@ MESSAGES = [
     ("loss", {"seq_len": 1}, WINDOWS),
     ("loss", {"batch_size": 0}, WINDOWS),
     ("heads", {"batch_size": 0}, WINDOWS),
+    ("hessian", {"batches": 0}, "--batches must be at least 1, got 0"),
+    ("hessian", {"params": "mlp"}, "--params must be one of ('all', 'attention'), got 'mlp'"),
+    ("hessian", {"batch_size": 0}, WINDOWS),
 ]
 """Each bound's message, word for word as the experiments have always worded it."""
 

@@ -24,12 +24,14 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from diffattn.eval.common import (
+    CommonOptions,
     EvalModel,
     batches,
     finish,
@@ -38,26 +40,37 @@ from diffattn.eval.common import (
     progress,
     pyplot,
     save_figure,
-    settings_of,
 )
-from diffattn.eval.text import DATA_SETTINGS, add_data_arguments, model_windows, padded, start_run
+from diffattn.eval.settings import like, setting, shared
+from diffattn.eval.text import WINDOW_BOUNDS, DataSettings, model_windows, open_documents, padded
 
 NAME = "hessian"
 HELP = "dominant Hessian eigenvalue per batch and its spectrum over batches (Dex §2.4, Fig 7)"
 PARAMETER_SETS = ("all", "attention")
 
 
-def add_arguments(parser: Any) -> None:
-    add_data_arguments(parser, seq_len=256, max_tokens=16_384)
-    parser.add_argument("--batches", type=int, default=16, help="batches (one eigenvalue each)")
-    parser.add_argument("--iters", type=int, default=30, help="power-iteration steps at most")
-    parser.add_argument("--tol", type=float, default=1e-3, help="relative convergence tolerance")
-    parser.add_argument(
-        "--params",
+@dataclass(frozen=True)
+class HessianSettings(DataSettings):
+    """The settings of ``diffattn eval hessian`` (and of :func:`run`). From Python the batch
+    holds 4 windows by default (Hessian-vector products are heavy); the command's
+    ``--batch-size`` defaults to 8, as every experiment's."""
+
+    seq_len: int = like(DataSettings, "seq_len", 256)
+    max_tokens: int = like(DataSettings, "max_tokens", 16_384)
+    batches: int = setting(16, min=1, help="batches (one eigenvalue each)")
+    iters: int = setting(30, help="power-iteration steps at most")
+    tol: float = setting(1e-3, help="relative convergence tolerance")
+    params: str = setting(
+        "all",
         choices=PARAMETER_SETS,
-        default="all",
+        error=f"--params must be one of {PARAMETER_SETS}, got {{params!r}}",
         help="all parameters, or those of the attention modules only",
     )
+    batch_size: int = shared(CommonOptions, "batch_size", 4, error=WINDOW_BOUNDS)
+    seed: int = shared(CommonOptions, "seed")
+
+
+add_arguments = HessianSettings.add_arguments
 
 
 def dominant_eigenvalue(
@@ -179,32 +192,28 @@ def model_spectrum(
 
 def run(
     models: Sequence[EvalModel],
-    data: Sequence[str] = ("stdlib",),
-    split: str = "valid",
-    valid_fraction: float = 0.02,
-    data_seed: int = 0,
-    seq_len: int = 256,
-    max_tokens: int = 16_384,
-    batches: int = 16,
-    iters: int = 30,
-    tol: float = 1e-3,
-    params: str = "all",
-    batch_size: int = 4,
-    seed: int = 0,
+    settings: HessianSettings | None = None,
+    *,
     quiet: bool = True,
+    **changes: Any,
 ) -> dict[str, Any]:
-    """Dominant Hessian eigenvalue of each of ``batches`` batches, per model."""
-    if batches < 1:
-        raise ValueError(f"--batches must be at least 1, got {batches}")
-    if params not in PARAMETER_SETS:
-        raise ValueError(f"--params must be one of {PARAMETER_SETS}, got {params!r}")
-    docs, results = start_run(
-        data, split, valid_fraction, data_seed, seq_len, max_tokens, batch_size, seed
-    )
+    """Dominant Hessian eigenvalue of each of ``batches`` batches, per model (``settings``, or
+    its fields by name: ``run(models, batches=4)``)."""
+    settings = HessianSettings.given(settings, changes)
+    settings.check()
+    docs, results = open_documents(settings, settings.seed)
     for model in models:
-        pieces = model_windows(model, docs, seq_len, max_tokens)
+        pieces = model_windows(model, docs, settings.seq_len, settings.max_tokens)
         results["models"][model.name] = model_spectrum(
-            model, pieces, batches, batch_size, iters, tol, params, seed, quiet
+            model,
+            pieces,
+            settings.batches,
+            settings.batch_size,
+            settings.iters,
+            settings.tol,
+            settings.params,
+            settings.seed,
+            quiet,
         )
     return results
 
@@ -247,9 +256,8 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(args: Any) -> int:
+    settings = HessianSettings.from_args(args)
     models = models_from_args(args)
-    keys = (*DATA_SETTINGS, "batches", "iters", "tol", "params", "batch_size", "seed")
-    settings = settings_of(args, keys)
-    results = run(models, quiet=args.quiet, **settings)
+    results = run(models, settings, quiet=args.quiet)
     figure = plot_spectra(results, Path(args.out) / "hessian_spectra.png")
-    return finish(args, NAME, results, models, report(results), settings, [figure])
+    return finish(args, NAME, results, models, report(results), settings.report(), [figure])
