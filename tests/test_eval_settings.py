@@ -195,7 +195,7 @@ def test_the_settings_block_is_unchanged(zoo, tmp_path, experiment, one_thread):
 # ------------------------------------------------------------------------------------------------
 # each setting declared once
 # ------------------------------------------------------------------------------------------------
-CONVERTED = {"effective", "loss", "outliers", "heads", "hessian"}
+CONVERTED = {"effective", "loss", "outliers", "heads", "hessian", "needle"}
 """The experiments whose settings are one dataclass (all of them, once converted)."""
 REQUIRED = {"attention": ["--prompt", "x"], "hallucination": ["--data", "d.jsonl"]}
 """What a bare command line of each experiment needs besides MODEL."""
@@ -287,6 +287,7 @@ def test_run_by_name_refuses_a_misspelt_setting():
         effective.run([], {"windows": 3})
 
 
+PER_SAMPLE = "--samples, --batch-size and --max-new-tokens must be at least 1"
 WINDOWS = "--seq-len and --max-tokens must be at least 2, --batch-size at least 1"
 MESSAGES = [
     ("effective", {"windows": 0}, "--windows, --max-heads and --steps must be at least 1"),
@@ -299,6 +300,18 @@ MESSAGES = [
     ("hessian", {"batches": 0}, "--batches must be at least 1, got 0"),
     ("hessian", {"params": "mlp"}, "--params must be one of ('all', 'attention'), got 'mlp'"),
     ("hessian", {"batch_size": 0}, WINDOWS),
+    ("needle", {"queries": 0}, "--needles and --queries must be at least 1"),
+    ("needle", {"needles": 66}, "--needles 66 exceeds the 65 built-in cities"),
+    ("needle", {"lengths": (0,)}, "--lengths must be positive token counts, got [0]"),
+    ("needle", {"lengths": ()}, "--lengths must be positive token counts, got []"),
+    (
+        "needle",
+        {"depths": (50.0, 120.0)},
+        "--depths must be percentages in 0…100, got [50.0, 120.0]",
+    ),
+    ("needle", {"max_new_tokens": 0}, PER_SAMPLE),
+    ("needle", {"batch_size": 0}, PER_SAMPLE),
+    ("needle", {"digits": 13}, "--digits must be in 1..12, got 13"),
 ]
 """Each bound's message, word for word as the experiments have always worded it."""
 

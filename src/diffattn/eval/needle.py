@@ -71,6 +71,7 @@ from diffattn.data.synthetic import (
     random_numbers,
 )
 from diffattn.eval.common import (
+    CommonOptions,
     EvalModel,
     TextTokenizer,
     batches,
@@ -83,8 +84,8 @@ from diffattn.eval.common import (
     require_tokenizer,
     save_figure,
     seed_everything,
-    settings_of,
 )
+from diffattn.eval.settings import Settings, setting, shared
 from diffattn.eval.text import context_limit
 
 NAME = "needle"
@@ -95,46 +96,66 @@ SYNTHETIC_SENTENCES = HAYSTACK_SENTENCES
 """The synthetic haystack (shared with the training source ``synthetic:needle``)."""
 
 
-def add_arguments(parser: Any) -> None:
-    parser.add_argument("--needles", type=int, default=8, help="needles per prompt, N (default 8)")
-    parser.add_argument("--queries", type=int, default=1, help="needles asked for, R (default 1)")
-    parser.add_argument(
-        "--lengths",
-        type=int,
-        nargs="+",
-        default=[4096],
-        help="prompt lengths in tokens (default 4096)",
+NEEDLE_COUNTS = "--needles and --queries must be at least 1"
+PER_SAMPLE = "--samples, --batch-size and --max-new-tokens must be at least 1"
+
+
+@dataclass(frozen=True)
+class NeedleSettings(Settings):
+    """The settings of ``diffattn eval needle`` (and of :func:`run`)."""
+
+    needles: int = setting(
+        8,
+        min=1,
+        error=NEEDLE_COUNTS,
+        max=len(CITIES),
+        max_error=f"--needles {{needles}} exceeds the {len(CITIES)} built-in cities",
+        help="needles per prompt, N (default {default})",
     )
-    parser.add_argument(
-        "--depths",
-        type=float,
-        nargs="+",
-        default=[0, 25, 50, 75, 100],
-        help="answer depths in percent of the context (default 0 25 50 75 100)",
+    queries: int = setting(
+        1, min=1, error=NEEDLE_COUNTS, help="needles asked for, R (default {default})"
     )
-    parser.add_argument(
-        "--samples", type=int, default=10, help="samples per (depth, length) cell (default 10)"
+    lengths: tuple[int, ...] = setting(
+        (4096,),
+        min=1,
+        error="--lengths must be positive token counts, got {lengths}",
+        help="prompt lengths in tokens (default {default})",
     )
-    parser.add_argument(
-        "--haystack",
-        default="synthetic",
-        help="synthetic (default), stdlib, or a text file or directory",
+    depths: tuple[float, ...] = setting(
+        (0, 25, 50, 75, 100),
+        min=0,
+        max=100,
+        error="--depths must be percentages in 0…100, got {depths}",
+        help="answer depths in percent of the context (default {default})",
     )
-    parser.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=None,
+    samples: int = setting(
+        10, min=1, error=PER_SAMPLE, help="samples per (depth, length) cell (default {default})"
+    )
+    haystack: str = setting(
+        "synthetic", help="synthetic (default), stdlib, or a text file or directory"
+    )
+    seed: int = shared(CommonOptions, "seed")
+    batch_size: int = shared(CommonOptions, "batch_size", error=PER_SAMPLE)
+    max_new_tokens: int | None = setting(
+        None,
+        min=1,
+        error=PER_SAMPLE,
         help="tokens generated per sample (default (digits + 3)·R + 2)",
     )
-    parser.add_argument(
-        "--digits", type=int, default=DIGITS, help=f"digits of each number (default {DIGITS})"
+    digits: int = setting(
+        DIGITS,
+        min=1,
+        max=12,
+        error="--digits must be in 1..12, got {digits}",
+        report_last=True,
+        help="digits of each number (default {default})",
     )
-    parser.add_argument(
-        "--no-attention",
-        dest="attention",
-        action="store_false",
-        help="skip the attention-to-answer / noise measurement",
+    attention: bool = setting(
+        True, flag="--no-attention", help="skip the attention-to-answer / noise measurement"
     )
+
+
+add_arguments = NeedleSettings.add_arguments
 
 
 # --- samples ---------------------------------------------------------------------------------
@@ -416,21 +437,6 @@ def measure_attention(model: EvalModel, prompt: Prompt) -> dict[str, float]:
 # --- the experiment --------------------------------------------------------------------------
 
 
-def _check(needles, queries, lengths, depths, samples, batch_size, max_new_tokens) -> None:
-    if needles < 1 or queries < 1:
-        raise ValueError("--needles and --queries must be at least 1")
-    if queries > needles:
-        raise ValueError(f"--queries {queries} exceeds --needles {needles}")
-    if needles > len(CITIES):
-        raise ValueError(f"--needles {needles} exceeds the {len(CITIES)} built-in cities")
-    if not lengths or any(n < 1 for n in lengths):
-        raise ValueError(f"--lengths must be positive token counts, got {list(lengths)}")
-    if not depths or any(not 0 <= d <= 100 for d in depths):
-        raise ValueError(f"--depths must be percentages in 0…100, got {list(depths)}")
-    if samples < 1 or batch_size < 1 or max_new_tokens < 1:
-        raise ValueError("--samples, --batch-size and --max-new-tokens must be at least 1")
-
-
 def build_prompts(
     model: EvalModel,
     cells: dict[tuple[float, int], list[NeedleSample]],
@@ -521,26 +527,24 @@ def _label(depth: float) -> str:
 
 def run(
     models: Sequence[EvalModel],
-    needles: int = 8,
-    queries: int = 1,
-    lengths: Sequence[int] = (4096,),
-    depths: Sequence[float] = (0, 25, 50, 75, 100),
-    samples: int = 10,
-    haystack: str = "synthetic",
-    seed: int = 0,
-    batch_size: int = 8,
-    max_new_tokens: int | None = None,
-    attention: bool = True,
+    settings: NeedleSettings | None = None,
+    *,
     quiet: bool = True,
-    digits: int = DIGITS,
+    **changes: Any,
 ) -> dict[str, Any]:
-    """Multi-needle retrieval of every model on the same samples (see the module docstring)."""
-    if not 1 <= digits <= 12:
-        raise ValueError(f"--digits must be in 1..12, got {digits}")
+    """Multi-needle retrieval of every model on the same samples (see the module docstring);
+    ``settings``, or its fields by name (``run(models, needles=4)``)."""
+    settings = NeedleSettings.given(settings, changes)
+    settings.check()
+    needles, queries, samples = settings.needles, settings.queries, settings.samples
+    if queries > needles:
+        raise ValueError(f"--queries {queries} exceeds --needles {needles}")
+    digits, seed, batch_size = settings.digits, settings.seed, settings.batch_size
+    max_new_tokens = settings.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = (digits + 3) * queries + 2
-    lengths, depths = [int(n) for n in lengths], [float(d) for d in depths]
-    _check(needles, queries, lengths, depths, samples, batch_size, max_new_tokens)
+    lengths = [int(n) for n in settings.lengths]
+    depths = [float(d) for d in settings.depths]
     seed_everything(seed)
     cells = make_samples(needles, queries, lengths, depths, samples, seed, digits)
     results: dict[str, Any] = {
@@ -554,10 +558,11 @@ def run(
         "models": {},
     }
     # Every model's prompts first, so that a bad setting fails before any decoding.
+    haystack = settings.haystack
     prompts = [build_prompts(m, cells, haystack, seed, max_new_tokens) for m in models]
     for model, model_prompts in zip(models, prompts, strict=True):
         results["models"][model.name] = evaluate_model(
-            model, cells, model_prompts, batch_size, max_new_tokens, attention, quiet
+            model, cells, model_prompts, batch_size, max_new_tokens, settings.attention, quiet
         )
     return results
 
@@ -622,24 +627,9 @@ def _safe(name: str) -> str:
 
 
 def main(args: Any) -> int:
+    settings = NeedleSettings.from_args(args)
     models = models_from_args(args)
-    settings = settings_of(
-        args,
-        (
-            "needles",
-            "queries",
-            "lengths",
-            "depths",
-            "samples",
-            "haystack",
-            "seed",
-            "batch_size",
-            "max_new_tokens",
-            "attention",
-            "digits",
-        ),
-    )
-    results = run(models, quiet=args.quiet, **settings)
+    results = run(models, settings, quiet=args.quiet)
     out = Path(args.out)
     figures = [
         plot_heatmap(name, r, out / f"needle_{_safe(name)}.png")
@@ -651,7 +641,7 @@ def main(args: Any) -> int:
         results,
         models,
         report(results),
-        settings,
+        settings.report(),
         figures,
         data_fingerprint=results["samples_fingerprint"],
     )
