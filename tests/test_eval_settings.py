@@ -195,7 +195,7 @@ def test_the_settings_block_is_unchanged(zoo, tmp_path, experiment, one_thread):
 # ------------------------------------------------------------------------------------------------
 # each setting declared once
 # ------------------------------------------------------------------------------------------------
-CONVERTED = {"effective", "loss", "outliers", "heads", "hessian", "needle", "mc"}
+CONVERTED = {"effective", "loss", "outliers", "heads", "hessian", "needle", "mc", "icl"}
 """The experiments whose settings are one dataclass (all of them, once converted)."""
 REQUIRED = {"attention": ["--prompt", "x"], "hallucination": ["--data", "d.jsonl"]}
 """What a bare command line of each experiment needs besides MODEL."""
@@ -287,6 +287,7 @@ def test_run_by_name_refuses_a_misspelt_setting():
         effective.run([], {"windows": 3})
 
 
+COUNTS = "--test-items, --permutations and --batch-size must be at least 1"
 PER_SAMPLE = "--samples, --batch-size and --max-new-tokens must be at least 1"
 WINDOWS = "--seq-len and --max-tokens must be at least 2, --batch-size at least 1"
 MESSAGES = [
@@ -315,6 +316,12 @@ MESSAGES = [
     ("mc", {"shots": -1}, "--shots must be at least 0, got -1"),
     ("mc", {"limit": 0}, "--limit must be at least 1, got 0"),
     ("mc", {"batch_size": 0}, "--batch-size must be at least 1, got 0"),
+    ("icl", {"permutations": 0}, COUNTS),
+    ("icl", {"batch_size": 0}, COUNTS),
+    ("icl", {"budget": 1}, "--budget must be at least 2 tokens, got 1"),
+    ("icl", {"decoding": "beam"}, "--decoding must be one of greedy, scored, got 'beam'"),
+    ("icl", {"arrangements": ("sorted",)}, "--arrangements must be among random, alternating"),
+    ("icl", {"arrangements": ()}, "--arrangements must be among random, alternating"),
 ]
 """Each bound's message, word for word as the experiments have always worded it."""
 

@@ -37,10 +37,12 @@ import math
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from diffattn.eval.common import (
+    CommonOptions,
     EvalModel,
     TextTokenizer,
     batches,
@@ -53,69 +55,64 @@ from diffattn.eval.common import (
     require_tokenizer,
     save_figure,
     seed_everything,
-    settings_of,
 )
 from diffattn.eval.icl_data import DATASETS, Example, ICLData, ICLFormat, load_dataset
 from diffattn.eval.label_trie import LabelTrie, SharedPrefix, greedy_labels, label_logprobs
+from diffattn.eval.settings import Settings, setting, shared
 from diffattn.eval.text import context_limit
 
 NAME = "icl"
 HELP = "many-shot in-context classification by shots and its robustness to order (DIFF Fig 6/7)"
 ARRANGEMENTS = ("random", "alternating")
 DECODINGS = ("greedy", "scored")
-SETTINGS = (
-    "dataset",
-    "data",
-    "classes",
-    "shots",
-    "budget",
-    "test_items",
-    "arrangements",
-    "permutations",
-    "decoding",
-    "use_cache",
-    "batch_size",
-    "seed",
-)
+COUNTS = "--test-items, --permutations and --batch-size must be at least 1"
 
 
-def add_arguments(parser: Any) -> None:
-    parser.add_argument(
-        "--dataset", default="synthetic", choices=sorted(DATASETS), help="default: synthetic"
+@dataclass(frozen=True)
+class IclSettings(Settings):
+    """The settings of ``diffattn eval icl`` (and of :func:`run`; ``shots`` are counts or
+    ``"max"``, as text or numbers)."""
+
+    dataset: str = setting("synthetic", choices=tuple(sorted(DATASETS)), help="default: {default}")
+    data: str | None = setting(None, help="directory of jsonl or save_to_disk files, or hub")
+    classes: int = setting(20, help="classes of the synthetic task (default {default})")
+    shots: tuple[str, ...] = setting(
+        ("1", "4", "16", "64", "max"),
+        help="demonstration counts, or max to fill the budget (default {default})",
     )
-    parser.add_argument("--data", help="directory of jsonl or save_to_disk files, or hub")
-    parser.add_argument(
-        "--classes", type=int, default=20, help="classes of the synthetic task (default 20)"
+    budget: int | None = setting(
+        None,
+        min=2,
+        error="--budget must be at least 2 tokens, got {budget}",
+        help="prompt tokens (default: the model's context)",
     )
-    parser.add_argument(
-        "--shots",
-        nargs="+",
-        default=["1", "4", "16", "64", "max"],
-        help="demonstration counts, or max to fill the budget (default 1 4 16 64 max)",
+    test_items: int = setting(
+        100, min=1, error=COUNTS, help="test items per prompt (default {default})"
     )
-    parser.add_argument(
-        "--budget", type=int, default=None, help="prompt tokens (default: the model's context)"
-    )
-    parser.add_argument(
-        "--test-items", type=int, default=100, help="test items per prompt (default 100)"
-    )
-    parser.add_argument(
-        "--arrangements",
-        nargs="+",
-        default=["random"],
+    arrangements: tuple[str, ...] = setting(
+        ("random",),
         choices=ARRANGEMENTS,
-        help="demonstration orders: random and/or alternating by class (default random)",
+        error=f"--arrangements must be among {', '.join(ARRANGEMENTS)}",
+        help="demonstration orders: random and/or alternating by class (default {default})",
     )
-    parser.add_argument(
-        "--permutations", type=int, default=1, help="orders per shot count, K (default 1)"
+    permutations: int = setting(
+        1, min=1, error=COUNTS, help="orders per shot count, K (default {default})"
     )
-    parser.add_argument("--decoding", default="greedy", choices=DECODINGS)
-    parser.add_argument(
-        "--no-cache",
-        dest="use_cache",
-        action="store_false",
+    decoding: str = setting(
+        "greedy",
+        choices=DECODINGS,
+        error=f"--decoding must be one of {', '.join(DECODINGS)}, got {{decoding!r}}",
+    )
+    use_cache: bool = setting(
+        True,
+        flag="--no-cache",
         help="re-run the demonstrations for every item (the reference; slow)",
     )
+    batch_size: int = shared(CommonOptions, "batch_size", error=COUNTS)
+    seed: int = shared(CommonOptions, "seed")
+
+
+add_arguments = IclSettings.add_arguments
 
 
 # --- demonstrations and prompts ---------------------------------------------------------------
@@ -346,32 +343,19 @@ def evaluate_model(
 
 def run(
     models: Sequence[EvalModel],
-    dataset: str = "synthetic",
-    data: str | None = None,
-    classes: int = 20,
-    shots: Sequence[int | str] = (1, 4, 16, 64, "max"),
-    budget: int | None = None,
-    test_items: int = 100,
-    arrangements: Sequence[str] = ("random",),
-    permutations: int = 1,
-    decoding: str = "greedy",
-    use_cache: bool = True,
-    batch_size: int = 8,
-    seed: int = 0,
+    settings: IclSettings | None = None,
+    *,
     quiet: bool = True,
+    **changes: Any,
 ) -> dict[str, Any]:
-    """Many-shot ICL accuracy of every model on the same demonstrations and test items."""
-    shots = parse_shots(shots)
-    if test_items < 1 or permutations < 1 or batch_size < 1:
-        raise ValueError("--test-items, --permutations and --batch-size must be at least 1")
-    if budget is not None and budget < 2:
-        raise ValueError(f"--budget must be at least 2 tokens, got {budget}")
-    if decoding not in DECODINGS:
-        raise ValueError(f"--decoding must be one of {', '.join(DECODINGS)}, got {decoding!r}")
-    if not arrangements or any(a not in ARRANGEMENTS for a in arrangements):
-        raise ValueError(f"--arrangements must be among {', '.join(ARRANGEMENTS)}")
+    """Many-shot ICL accuracy of every model on the same demonstrations and test items
+    (``settings``, or its fields by name: ``run(models, shots=[0, 4], budget=512)``)."""
+    settings = IclSettings.given(settings, changes)
+    shots = parse_shots(settings.shots)
+    settings.check()
+    dataset, seed, test_items = settings.dataset, settings.seed, settings.test_items
     seed_everything(seed)
-    loaded = load_dataset(dataset, data, classes=classes, seed=seed)
+    loaded = load_dataset(dataset, settings.data, classes=settings.classes, seed=seed)
     pool = list(loaded.train)
     random.Random(f"pool-{seed}").shuffle(pool)
     tests = random.Random(f"test-{seed}").sample(loaded.test, min(test_items, len(loaded.test)))
@@ -399,12 +383,12 @@ def run(
             pool,
             tests,
             shots,
-            budget,
-            arrangements,
-            permutations,
-            decoding,
-            use_cache,
-            batch_size,
+            settings.budget,
+            settings.arrangements,
+            settings.permutations,
+            settings.decoding,
+            settings.use_cache,
+            settings.batch_size,
             seed,
             quiet,
         )
@@ -500,12 +484,12 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(args: Any) -> int:
+    settings = IclSettings.from_args(args)
     models = models_from_args(args)
-    settings = settings_of(args, SETTINGS)
-    results = run(models, quiet=args.quiet, **settings)
+    results = run(models, settings, quiet=args.quiet)
     out = Path(args.out)
     figures = [
         plot_accuracy(results, out / "icl_accuracy.png"),
         plot_robustness(results, out / "icl_robustness.png"),
     ]
-    return finish(args, NAME, results, models, report(results), settings, figures)
+    return finish(args, NAME, results, models, report(results), settings.report(), figures)
