@@ -195,7 +195,17 @@ def test_the_settings_block_is_unchanged(zoo, tmp_path, experiment, one_thread):
 # ------------------------------------------------------------------------------------------------
 # each setting declared once
 # ------------------------------------------------------------------------------------------------
-CONVERTED = {"effective", "loss", "outliers", "heads", "hessian", "needle", "mc", "icl"}
+CONVERTED = {
+    "effective",
+    "loss",
+    "outliers",
+    "heads",
+    "hessian",
+    "needle",
+    "mc",
+    "icl",
+    "hallucination",
+}
 """The experiments whose settings are one dataclass (all of them, once converted)."""
 REQUIRED = {"attention": ["--prompt", "x"], "hallucination": ["--data", "d.jsonl"]}
 """What a bare command line of each experiment needs besides MODEL."""
@@ -288,6 +298,7 @@ def test_run_by_name_refuses_a_misspelt_setting():
 
 
 COUNTS = "--test-items, --permutations and --batch-size must be at least 1"
+JUDGED = "--samples, --max-new-tokens and --batch-size must be at least 1"
 PER_SAMPLE = "--samples, --batch-size and --max-new-tokens must be at least 1"
 WINDOWS = "--seq-len and --max-tokens must be at least 2, --batch-size at least 1"
 MESSAGES = [
@@ -322,6 +333,9 @@ MESSAGES = [
     ("icl", {"decoding": "beam"}, "--decoding must be one of greedy, scored, got 'beam'"),
     ("icl", {"arrangements": ("sorted",)}, "--arrangements must be among random, alternating"),
     ("icl", {"arrangements": ()}, "--arrangements must be among random, alternating"),
+    ("hallucination", {"samples": 0}, JUDGED),
+    ("hallucination", {"max_new_tokens": 0}, JUDGED),
+    ("hallucination", {"batch_size": 0}, JUDGED),
 ]
 """Each bound's message, word for word as the experiments have always worded it."""
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.eval.common import (
+    CommonOptions,
     EvalModel,
     batches,
     fingerprint,
@@ -52,10 +53,10 @@ from diffattn.eval.common import (
     require_tokenizer,
     save_figure,
     seed_everything,
-    settings_of,
 )
 from diffattn.eval.judge import HTTPJudge, LocalJudge, judge_prompt, parse_verdict
 from diffattn.eval.needle import greedy
+from diffattn.eval.settings import Settings, setting, shared
 from diffattn.eval.text import context_limit
 
 NAME = "hallucination"
@@ -67,49 +68,40 @@ QA_TEMPLATE = (
 )
 SUMMARY_TEMPLATE = "Write a short summary of the document below.\n\n{context}\n\nSummary:"
 TASKS = ("auto", "qa", "summarization")
-SETTINGS = (
-    "data",
-    "task",
-    "samples",
-    "max_new_tokens",
-    "max_input_tokens",
-    "stop",
-    "judge_document_chars",
-    "batch_size",
-    "seed",
-)
+PER_SAMPLE = "--samples, --max-new-tokens and --batch-size must be at least 1"
 
 
-def add_arguments(parser: Any) -> None:
-    parser.add_argument(
-        "--data", nargs="+", required=True, help="LongBench-format jsonl files or directories"
+@dataclass(frozen=True)
+class HallucinationSettings(Settings):
+    """The settings of ``diffattn eval hallucination`` (and of :func:`run`; the judge options
+    are the command's, :func:`run` takes the judge itself)."""
+
+    data: tuple[str, ...] = setting(
+        (), required=True, help="LongBench-format jsonl files or directories"
     )
-    parser.add_argument("--task", default="auto", choices=TASKS, help="default: auto")
-    parser.add_argument("--samples", type=int, default=100, help="per dataset (default 100)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
-    parser.add_argument(
-        "--max-input-tokens",
-        type=int,
-        default=None,
-        help="prompt tokens (default: the model's context − --max-new-tokens)",
+    task: str = setting("auto", choices=TASKS, help="default: {default}")
+    samples: int = setting(100, min=1, error=PER_SAMPLE, help="per dataset (default {default})")
+    max_new_tokens: int = setting(64, min=1, error=PER_SAMPLE, help="default {default}")
+    max_input_tokens: int | None = setting(
+        None, help="prompt tokens (default: the model's context − --max-new-tokens)"
     )
-    parser.add_argument(
-        "--stop", default="\n\n", help="cut outputs at this string (default a blank line)"
-    )
-    parser.add_argument(
-        "--judge",
-        default="api",
+    stop: str = setting("\n\n", help="cut outputs at this string (default a blank line)")
+    judge: str = setting(
+        "api",
+        command_only=True,
         help="api (OpenAI-compatible endpoint from DIFFATTN_JUDGE_URL, DIFFATTN_JUDGE_MODEL, "
-        "DIFFATTN_JUDGE_API_KEY) or a local model directory (default: api)",
+        "DIFFATTN_JUDGE_API_KEY) or a local model directory (default: {default})",
     )
-    parser.add_argument("--judge-timeout", type=float, default=60.0, help="seconds per request")
-    parser.add_argument("--judge-attempts", type=int, default=3, help="tries per request")
-    parser.add_argument(
-        "--judge-document-chars",
-        type=int,
-        default=8000,
-        help="document characters shown to the judge (0: all; default 8000)",
+    judge_timeout: float = setting(60.0, command_only=True, help="seconds per request")
+    judge_attempts: int = setting(3, command_only=True, help="tries per request")
+    judge_document_chars: int = setting(
+        8000, help="document characters shown to the judge (0: all; default {default})"
     )
+    batch_size: int = shared(CommonOptions, "batch_size", error=PER_SAMPLE)
+    seed: int = shared(CommonOptions, "seed")
+
+
+add_arguments = HallucinationSettings.add_arguments
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -284,24 +276,20 @@ def _accuracy(verdicts: Sequence[bool | None]) -> dict[str, Any]:
 def run(
     models: Sequence[EvalModel],
     judge: Any,
-    data: Sequence[str] = (),
-    task: str = "auto",
-    samples: int = 100,
-    max_new_tokens: int = 64,
-    max_input_tokens: int | None = None,
-    stop: str = "\n\n",
-    judge_document_chars: int = 8000,
-    batch_size: int = 8,
-    seed: int = 0,
+    settings: HallucinationSettings | None = None,
+    *,
     quiet: bool = True,
+    **changes: Any,
 ) -> dict[str, Any]:
-    """Judged hallucination-free accuracy of every model on the same samples."""
-    if samples < 1 or max_new_tokens < 1 or batch_size < 1:
-        raise ValueError("--samples, --max-new-tokens and --batch-size must be at least 1")
-    if not data:
+    """Judged hallucination-free accuracy of every model on the same samples (``settings``,
+    or its fields by name: ``run(models, judge, data=["longbench"], samples=20)``)."""
+    settings = HallucinationSettings.given(settings, changes)
+    settings.check()
+    if not settings.data:
         raise ValueError("--data: give at least one LongBench-format jsonl file")
+    seed = settings.seed
     seed_everything(seed)
-    datasets = load_samples(data, task, samples, seed)
+    datasets = load_samples(settings.data, settings.task, settings.samples, seed)
     results: dict[str, Any] = {
         "judge": judge.describe(),
         "datasets": {name: {"task": s[0].task, "samples": len(s)} for name, s in datasets.items()},
@@ -314,7 +302,13 @@ def run(
         per_dataset = {}
         for name, chosen in datasets.items():
             outputs = generate(
-                model, chosen, max_new_tokens, max_input_tokens, stop, batch_size, quiet
+                model,
+                chosen,
+                settings.max_new_tokens,
+                settings.max_input_tokens,
+                settings.stop,
+                settings.batch_size,
+                quiet,
             )
             replies, verdicts = [], []
             for sample, output in progress(
@@ -326,7 +320,7 @@ def run(
                     list(sample.answers),
                     output,
                     sample.task,
-                    judge_document_chars,
+                    settings.judge_document_chars,
                 )
                 reply = judge.reply(prompt)
                 replies.append(reply)
@@ -393,12 +387,16 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(args: Any) -> int:
+    settings = HallucinationSettings.from_args(args)
     models = models_from_args(args)
     judge = make_judge(
-        args.judge, args.judge_timeout, args.judge_attempts, device=args.device, dtype=args.dtype
+        settings.judge,
+        settings.judge_timeout,
+        settings.judge_attempts,
+        device=args.device,
+        dtype=args.dtype,
     )
-    settings = settings_of(args, SETTINGS)
-    results = run(models, judge, quiet=args.quiet, **settings)
+    results = run(models, judge, settings, quiet=args.quiet)
     figure = plot(results, Path(args.out) / "hallucination.png")
     return finish(
         args,
@@ -406,6 +404,6 @@ def main(args: Any) -> int:
         results,
         models,
         report(results),
-        {**settings, "judge": judge.describe()},
+        {**settings.report(), "judge": judge.describe()},
         [figure],
     )
