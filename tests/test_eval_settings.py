@@ -336,15 +336,17 @@ MESSAGES = [
     ("hallucination", {"samples": 0}, JUDGED),
     ("hallucination", {"max_new_tokens": 0}, JUDGED),
     ("hallucination", {"batch_size": 0}, JUDGED),
+    ("attention", {"max_labels": 0}, "--max-labels must be at least 1, got 0"),
+    ("attention", {"view": "grid"}, "--view must be one of row, heatmap, both, got 'grid'"),
 ]
 """Each bound's message, word for word as the experiments have always worded it."""
 
 
 @pytest.mark.parametrize(("experiment", "changes", "message"), MESSAGES)
 def test_each_bound_has_its_message(experiment, changes, message):
-    import importlib
+    from diffattn.commands.eval import experiments
 
-    module = importlib.import_module(f"diffattn.eval.{experiment}")
+    (module,) = [m for m in experiments() if experiment == m.NAME]
     settings = _settings_class(module)(**changes)
     with pytest.raises(ValueError) as error:
         settings.check()

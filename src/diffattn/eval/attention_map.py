@@ -29,8 +29,9 @@ tokens, and per layer, head and query λ and the three most attended tokens. Pyt
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from diffattn.eval.common import (
     pyplot,
     save_figure,
 )
+from diffattn.eval.settings import Settings, setting
 from diffattn.loading import TextTokenizer
 
 NAME = "attention"
@@ -407,27 +409,22 @@ def prompt_ids(
 
 
 def run(
-    models: Sequence[EvalModel],
-    prompt: str | None = None,
-    token_ids: Sequence[int] | None = None,
-    layers: Sequence[int] | None = None,
-    heads: Sequence[int] | None = None,
-    queries: Sequence[int] = (-1,),
-    view: str = "row",
-    special_tokens: bool = True,
+    models: Sequence[EvalModel], settings: AttentionSettings | None = None, **changes: Any
 ) -> dict[str, Any]:
     """The maps of every model on one prompt (text, or ``token_ids``), every argument checked
-    before the first forward pass.
+    before the first forward pass; ``settings``, or its fields by name (``run(models,
+    prompt="...", layers=[0])``).
 
     Returns ``{"models": {name: {"tokens", "token_ids", "labels", "maps"}}}``: the full text
     of each token, the ids, short axis labels, and ``{layer: LayerMaps}`` holding the rows of
     ``queries`` (``view="row"``) or every row (``"heatmap"``, ``"both"``).
     """
-    if view not in VIEWS:
-        raise ValueError(f"--view must be one of {', '.join(VIEWS)}, got {view!r}")
+    settings = AttentionSettings.given(settings, changes)
+    settings.check()
+    layers, heads, queries, view = settings.layers, settings.heads, settings.queries, settings.view
     plans = []
     for model in models:
-        ids = prompt_ids(model, prompt, token_ids, special_tokens)
+        ids = prompt_ids(model, settings.prompt, settings.token_ids, settings.special_tokens)
         resolve_selection(model.model, len(ids), layers, heads, queries)
         plans.append((model, ids))
     results: dict[str, Any] = {"models": {}}
@@ -585,86 +582,108 @@ def plot_all(
     return figures
 
 
-def add_arguments(parser: Any) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", help="the text to look at (through each model's tokenizer)")
-    source.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
-    source.add_argument(
-        "--token-ids", help="comma-separated token ids instead of text (models without tokenizer)"
+def _indices(option: str):
+    return lambda text: parse_indices(text, option)
+
+
+@dataclass(frozen=True)
+class AttentionSettings(Settings):
+    """The settings of ``diffattn eval attention`` (and of :func:`run`): on the command line
+    the indices are comma-separated text (``all``: every one), here lists (``None``: all)."""
+
+    prompt: str | None = setting(
+        None, group="prompt", help="the text to look at (through each model's tokenizer)"
     )
-    parser.add_argument("--layers", default="all", help="comma-separated layers (default all)")
-    parser.add_argument("--heads", default="all", help="comma-separated heads (default all)")
-    parser.add_argument(
-        "--query",
-        default=None,
+    prompt_file: Path | None = setting(  # noqa: RUF009 (a field, as every setting())
+        None, group="prompt", command_only=True, help="read the prompt from this file"
+    )
+    token_ids: tuple[int, ...] | None = setting(
+        None,
+        group="prompt",
+        parse=_indices("--token-ids"),
+        help="comma-separated token ids instead of text (models without tokenizer)",
+    )
+    layers: tuple[int, ...] | None = setting(
+        None,
+        cli_default="all",
+        parse=_indices("--layers"),
+        help="comma-separated layers (default all)",
+    )
+    heads: tuple[int, ...] | None = setting(
+        None,
+        cli_default="all",
+        parse=_indices("--heads"),
+        help="comma-separated heads (default all)",
+    )
+    queries: tuple[int, ...] = setting(
+        (-1,),
+        flag="--query",
+        dest="query",
+        cli_default=None,
+        parse=_indices("--query"),
         help="comma-separated query positions of the row view, negative from the end "
-        "(default -1, the last token)",
+        "(default {default}, the last token)",
     )
-    parser.add_argument(
-        "--view",
+    view: str = setting(
+        "row",
         choices=VIEWS,
-        default="row",
+        error=f"--view must be one of {', '.join(VIEWS)}, got {{view!r}}",
         help="row: chosen query rows over the tokens (Fig 1); heatmap: the whole map; both",
     )
-    parser.add_argument(
-        "--max-labels",
-        type=int,
-        default=48,
+    max_labels: int = setting(
+        48,
+        min=1,
+        report_last=True,
         help="label at most this many tokens per axis; longer prompts label every k-th",
     )
-    parser.add_argument(
-        "--no-special-tokens",
-        action="store_true",
+    special_tokens: bool = setting(
+        True,
+        flag="--no-special-tokens",
+        dest="no_special_tokens",
+        cli_default=False,
+        parse=operator.not_,
         help="do not add the tokenizer's special tokens (e.g. BOS) to the prompt",
     )
 
-
-def _settings(args: Any) -> dict[str, Any]:
-    if args.max_labels < 1:
-        raise ValueError(f"--max-labels must be at least 1, got {args.max_labels}")
-    if args.query is not None and args.view == "heatmap":
-        raise ValueError("--query selects rows of the row view; --view heatmap draws every row")
-    prompt = args.prompt
-    if args.prompt_file is not None:
+    @classmethod
+    def from_args(cls, args: Any) -> AttentionSettings:
+        """The settings of the command line, checked, with the prompt read from
+        ``--prompt-file``."""
+        if args.query is not None and args.view == "heatmap":
+            raise ValueError("--query selects rows of the row view; --view heatmap draws every row")
+        settings = super().from_args(args)
+        settings.check()
+        path = settings.prompt_file
+        if path is None:
+            return settings
         try:
-            prompt = args.prompt_file.read_text(encoding="utf-8")
+            return replace(settings, prompt=path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError) as error:
-            raise ValueError(
-                f"--prompt-file {args.prompt_file}: cannot be read ({error})"
-            ) from None
-    return {
-        "prompt": prompt,
-        "token_ids": parse_indices(args.token_ids, "--token-ids"),
-        "layers": parse_indices(args.layers, "--layers"),
-        "heads": parse_indices(args.heads, "--heads"),
-        "queries": parse_indices(args.query or "-1", "--query"),
-        "view": args.view,
-        "special_tokens": not args.no_special_tokens,
-    }
+            raise ValueError(f"--prompt-file {path}: cannot be read ({error})") from None
+
+
+add_arguments = AttentionSettings.add_arguments
 
 
 def prepare(args: Any) -> dict[str, Any]:
     """Load the models and check every argument against them and the prompt (before the
     output directory is touched)."""
-    settings = _settings(args)
+    settings = AttentionSettings.from_args(args)
     models = models_from_args(args)
     for model in models:
-        ids = prompt_ids(
-            model, settings["prompt"], settings["token_ids"], settings["special_tokens"]
-        )
-        resolve_selection(
-            model.model, len(ids), settings["layers"], settings["heads"], settings["queries"]
-        )
+        ids = prompt_ids(model, settings.prompt, settings.token_ids, settings.special_tokens)
+        resolve_selection(model.model, len(ids), settings.layers, settings.heads, settings.queries)
     return {"models": models, "settings": settings}
 
 
 def main(args: Any) -> int:
     prepared = getattr(args, "prepared", None) or prepare(args)
     models, settings = prepared["models"], prepared["settings"]
-    results = run(models, **settings)
+    results = run(models, settings)
     out = Path(args.out)
-    figures = plot_all(results, out, settings["view"], settings["queries"], args.max_labels)
+    queries, max_labels = settings.queries, settings.max_labels
+    figures = plot_all(results, out, settings.view, queries, max_labels)
     write_values(results, out / MAPS_NAME)
-    text = report(results, settings["queries"], args.max_labels)
-    stored = {**settings, "max_labels": args.max_labels}
-    return finish(args, NAME, summary(results, settings["queries"]), models, text, stored, figures)
+    text = report(results, queries, max_labels)
+    stored = settings.report()
+    return finish(args, NAME, summary(results, queries), models, text, stored, figures)

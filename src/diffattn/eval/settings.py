@@ -95,7 +95,8 @@ def setting(default: Any = MISSING, **spec: Any) -> Any:
       report's settings block, not taken by ``run``); ``report_last``: at the end of the
       report's settings block, where it has always been.
     * ``cli_default`` and ``parse``: the option's own default and how its value becomes the
-      setting (``"all"`` → ``None``), for options whose text is not the value itself.
+      setting (``"all"`` → ``None``), for options whose text is not the value itself; an
+      option with ``parse`` that is left out (``None``) gives the setting's default.
     """
     return dataclasses.field(default=default, metadata={"setting": Spec(**spec)})
 
@@ -172,7 +173,9 @@ class Settings:
         for f in fields(cls):
             spec = _spec(f)
             value = getattr(args, spec.dest or f.name)
-            values[f.name] = spec.parse(value) if spec.parse is not None else value
+            if spec.parse is not None:  # an option left out (None) is the setting's default
+                value = f.default if value is None else spec.parse(value)
+            values[f.name] = value
         return cls(**values)
 
     # ---- run ---------------------------------------------------------------------------------
