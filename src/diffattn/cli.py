@@ -7,7 +7,11 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from diffattn.commands.extras import VERB_EXTRAS, add_unavailable, missing_extra
+
 # Verbs implemented in diffattn.commands.<verb> (each has add_arguments(parser) and run(args)).
+# Its module and add_arguments import only what the options need, run imports the rest; where an
+# extra the options need is missing, the verb is listed with a stand-in that names the extra.
 VERBS: tuple[tuple[str, str], ...] = (
     ("compare", "train baseline, DIFF V1 and DIFF V2 the same way and report (the main job)"),
     ("train", "train a model from a YAML recipe (single process or torchrun)"),
@@ -81,25 +85,40 @@ def build_parser() -> argparse.ArgumentParser:
     sizes.set_defaults(handler=_presets_command)
 
     for verb, help_text in VERBS:
-        module = importlib.import_module(f"diffattn.commands.{verb.replace('-', '_')}")
-        sub = verbs.add_parser(
-            verb,
-            help=help_text,
-            description=getattr(module, "DESCRIPTION", None),
-            **getattr(module, "PARSER_OPTIONS", {}),
-        )
-        module.add_arguments(sub)
+        try:
+            module = importlib.import_module(f"diffattn.commands.{verb.replace('-', '_')}")
+            sub = verbs.add_parser(
+                verb,
+                help=help_text,
+                description=getattr(module, "DESCRIPTION", None),
+                **getattr(module, "PARSER_OPTIONS", {}),
+            )
+            module.add_arguments(sub)
+        except ModuleNotFoundError as error:  # its arguments need an extra missing here
+            message = missing_extra(error, VERB_EXTRAS.get(verb, ()))
+            if message is None:
+                raise
+            add_unavailable(verbs, verb, help_text, error, message, summary=help_text)
+            continue
         sub.set_defaults(handler=module.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "accepts_unknown_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args says it
     try:
         return int(args.handler(args) or 0)
     except ValueError as error:  # invalid settings: one clear message, exit code 2
         print(f"diffattn {args.verb}: error: {error}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:  # an optional package this run needs is missing
+        message = missing_extra(error, VERB_EXTRAS.get(args.verb, ()))
+        if message is None:
+            raise
+        print(f"diffattn {args.verb}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+from typing import Any
+
+from diffattn.commands.extras import VERB_EXTRAS, add_unavailable, missing_extra
 
 DESCRIPTION = (
     "Measure the papers' claims on any model: fine-grained loss, multi-needle retrieval, "
@@ -15,31 +18,56 @@ DESCRIPTION = (
 
 
 def experiments() -> list:
-    """The experiment modules that exist, in their listed order."""
+    """The experiment modules that exist and import here, in their listed order."""
+    return [module for _, module, _ in _experiment_modules() if module is not None]
+
+
+def _experiment_modules() -> list[tuple[str, Any, ModuleNotFoundError | None]]:
+    """``(name, module, None)`` for each experiment module that exists, in the listed order, or
+    ``(name, None, error)`` for one whose import needs an optional package missing here."""
     from diffattn.eval import EXPERIMENTS
 
     found = []
     for name in EXPERIMENTS:
         module_name = f"diffattn.eval.{name}"
-        if importlib.util.find_spec(module_name) is not None:
-            found.append(importlib.import_module(module_name))
+        if importlib.util.find_spec(module_name) is None:
+            continue
+        try:
+            found.append((name, importlib.import_module(module_name), None))
+        except ModuleNotFoundError as error:
+            if missing_extra(error, VERB_EXTRAS["eval"]) is None:
+                raise
+            found.append((name, None, error))
     return found
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    subparsers = parser.add_subparsers(dest="experiment", required=True, metavar="EXPERIMENT")
+    for name, module, error in _experiment_modules():
+        if module is not None:
+            try:
+                _add_experiment(subparsers, module)
+                continue
+            except ModuleNotFoundError as failure:  # its arguments need a missing package
+                name, error = module.NAME, failure
+        message = missing_extra(error, VERB_EXTRAS["eval"])
+        if message is None:
+            raise error
+        add_unavailable(subparsers, name, f"(not available here: {message})", error, message)
+
+
+def _add_experiment(subparsers: argparse._SubParsersAction, module: Any) -> None:
     from diffattn.eval.common import add_common_arguments
 
-    subparsers = parser.add_subparsers(dest="experiment", required=True, metavar="EXPERIMENT")
-    for module in experiments():
-        sub = subparsers.add_parser(module.NAME, help=module.HELP, description=module.HELP)
-        add_common_arguments(sub)
-        sub.add_argument(
-            "--overwrite",
-            action="store_true",
-            help="replace a non-empty --out holding something else",
-        )
-        module.add_arguments(sub)
-        sub.set_defaults(experiment_main=module.main)
+    sub = subparsers.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+    add_common_arguments(sub)
+    sub.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --out holding something else",
+    )
+    module.add_arguments(sub)
+    sub.set_defaults(experiment_main=module.main)
 
 
 def run(args: argparse.Namespace) -> int:
