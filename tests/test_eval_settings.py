@@ -179,6 +179,10 @@ SETTINGS = {
 settings were declared once (key order included)."""
 
 
+def test_every_experiment_is_run_here():
+    assert sorted(RUNS) == sorted(m.NAME for m in _experiments())
+
+
 @pytest.mark.parametrize("experiment", sorted(RUNS))
 def test_the_settings_block_is_unchanged(zoo, tmp_path, experiment, one_thread):
     out = tmp_path / "out"
@@ -195,18 +199,6 @@ def test_the_settings_block_is_unchanged(zoo, tmp_path, experiment, one_thread):
 # ------------------------------------------------------------------------------------------------
 # each setting declared once
 # ------------------------------------------------------------------------------------------------
-CONVERTED = {
-    "effective",
-    "loss",
-    "outliers",
-    "heads",
-    "hessian",
-    "needle",
-    "mc",
-    "icl",
-    "hallucination",
-}
-"""The experiments whose settings are one dataclass (all of them, once converted)."""
 REQUIRED = {"attention": ["--prompt", "x"], "hallucination": ["--data", "d.jsonl"]}
 """What a bare command line of each experiment needs besides MODEL."""
 CLI_DEFAULTS = {("hessian", "batch_size"): 8}
@@ -217,7 +209,7 @@ Hessian's batches hold 4 windows from Python, as every experiment's ``--batch-si
 def _experiments():
     from diffattn.commands.eval import experiments
 
-    return [m for m in experiments() if m.NAME in CONVERTED]
+    return experiments()
 
 
 def _settings_class(module):
@@ -284,8 +276,8 @@ def test_the_parsed_defaults_are_the_dataclass_defaults(module):
         if name in given:
             continue
         expected = CLI_DEFAULTS.get((module.NAME, name), default[name])
-        want = list(expected) if isinstance(expected, tuple) else expected
-        assert value == want, f"{module.NAME}: {name}"
+        as_list = [list(v) if isinstance(v, tuple) else v for v in (value, expected)]
+        assert as_list[0] == as_list[1], f"{module.NAME}: {name}"
 
 
 def test_run_by_name_refuses_a_misspelt_setting():
@@ -351,3 +343,14 @@ def test_each_bound_has_its_message(experiment, changes, message):
     with pytest.raises(ValueError) as error:
         settings.check()
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize("name", ["common", "text"])
+def test_the_shared_options_are_generated_too(name):
+    import ast
+    import importlib
+    import inspect
+
+    tree = ast.parse(inspect.getsource(importlib.import_module(f"diffattn.eval.{name}")))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    assert not [ast.unparse(c) for c in calls if getattr(c.func, "attr", "") == "add_argument"]

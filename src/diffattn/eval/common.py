@@ -264,11 +264,6 @@ def write_outputs(
     return out / RESULTS_NAME
 
 
-def settings_of(args: Any, keys: Sequence[str]) -> dict[str, Any]:
-    """The experiment's settings from the parsed command line (``run`` keyword names)."""
-    return {key: getattr(args, key) for key in keys}
-
-
 def finish(
     args: Any,
     experiment: str,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -66,54 +66,6 @@ class DataSettings(Settings):
         min=2,
         error=WINDOW_BOUNDS,
         help="token budget over all windows (default {default:,})",
-    )
-
-
-DATA_SETTINGS = tuple(f.name for f in fields(DataSettings))
-"""The document settings, as ``run`` keyword names."""
-
-
-def add_data_arguments(parser: Any, seq_len: int, max_tokens: int) -> None:
-    """``--data``, ``--split``, ``--valid-fraction``, ``--data-seed`` (as eval loss reads
-    documents), ``--seq-len`` and ``--max-tokens``. The first four and ``--seq-len`` default to
-    the evaluated run's own recipe (:mod:`diffattn.eval.run_split`), else to the values shown."""
-    defaults = {"data": ["stdlib"], "valid_fraction": 0.02, "data_seed": 0, "seq_len": seq_len}
-    parser.set_defaults(data_defaults=defaults)
-    parser.add_argument(
-        "--data",
-        nargs="+",
-        default=None,
-        help="data specs (default: the run's data.sources, else stdlib)",
-    )
-    parser.add_argument(
-        "--split",
-        choices=("valid", "all"),
-        default="valid",
-        help="held-out documents only (default) or every document",
-    )
-    parser.add_argument(
-        "--valid-fraction",
-        type=float,
-        default=None,
-        help="the recipe's data.valid_fraction (default: the run's, else 0.02)",
-    )
-    parser.add_argument(
-        "--data-seed",
-        type=int,
-        default=None,
-        help="the recipe's data.seed (default: the run's, else 0)",
-    )
-    parser.add_argument(
-        "--seq-len",
-        type=int,
-        default=None,
-        help=f"context window (default: the run's seq_len, else {seq_len})",
-    )
-    parser.add_argument(
-        "--max-tokens",
-        type=int,
-        default=max_tokens,
-        help=f"token budget over all windows (default {max_tokens:,})",
     )
 
 
@@ -216,23 +168,4 @@ def open_documents(settings: DataSettings, seed: int) -> tuple[list[str], dict[s
     fill (``models``, ``documents``, ``data_fingerprint``)."""
     seed_everything(seed)
     docs = documents(settings.data, settings.split, settings.valid_fraction, settings.data_seed)
-    return docs, {"models": {}, "documents": len(docs), "data_fingerprint": fingerprint(docs)}
-
-
-def start_run(
-    data: Sequence[str],
-    split: str,
-    valid_fraction: float,
-    data_seed: int,
-    seq_len: int,
-    max_tokens: int,
-    batch_size: int,
-    seed: int,
-) -> tuple[list[str], dict[str, Any]]:
-    """Check the shared settings, seed, read the documents; the documents and the results
-    dictionary to fill (``models``, ``documents``, ``data_fingerprint``)."""
-    if seq_len < 2 or max_tokens < 2 or batch_size < 1:
-        raise ValueError("--seq-len and --max-tokens must be at least 2, --batch-size at least 1")
-    seed_everything(seed)
-    docs = documents(data, split, valid_fraction, data_seed)
     return docs, {"models": {}, "documents": len(docs), "data_fingerprint": fingerprint(docs)}
