@@ -92,8 +92,8 @@ class HallucinationSettings(Settings):
         help="api (OpenAI-compatible endpoint from DIFFATTN_JUDGE_URL, DIFFATTN_JUDGE_MODEL, "
         "DIFFATTN_JUDGE_API_KEY) or a local model directory (default: {default})",
     )
-    judge_timeout: float = setting(60.0, command_only=True, help="seconds per request")
-    judge_attempts: int = setting(3, command_only=True, help="tries per request")
+    judge_timeout: float = setting(HTTPJudge.timeout, command_only=True, help="seconds per request")
+    judge_attempts: int = setting(HTTPJudge.attempts, command_only=True, help="tries per request")
     judge_document_chars: int = setting(
         8000, help="document characters shown to the judge (0: all; default {default})"
     )
@@ -251,7 +251,7 @@ def generate(
 # --- the experiment ---------------------------------------------------------------------------
 
 
-def make_judge(spec: str, timeout: float = 60.0, attempts: int = 3, **load: Any) -> Any:
+def make_judge(spec: str, timeout: float, attempts: int, **load: Any) -> Any:
     """``api``: an :class:`HTTPJudge` from the environment; a model directory: a
     :class:`LocalJudge`."""
     if spec == "api":
