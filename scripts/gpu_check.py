@@ -7,8 +7,8 @@
 
 Steps, in this order:
 
-a. the CUDA tests (``pytest -m gpu``): every CUDA backend and compiled path against the
-   reference;
+a. the CUDA tests (``pytest -m gpu``, which replaces the default ``-m 'not slow and not gpu'``
+   of ``pyproject.toml``): every CUDA backend and compiled path against the reference;
 b. ``diffattn backends --time`` on CUDA;
 c. ``diffattn bench`` in bf16, d_model 2048, 4 layers: fwd+bwd at N = 2048, 4096, 8192 with
    heads of width 64 and 128, compiled (at N = 4096) and not; decode (prompt 2048, 64 new
