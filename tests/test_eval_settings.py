@@ -1,14 +1,19 @@
-"""``diffattn eval``'s settings: each experiment's report keeps the settings block it always
-wrote (key order included), through the real command line on tiny models."""
+"""``diffattn eval``'s settings (:mod:`diffattn.eval.settings`): each experiment's report keeps
+the settings block it always wrote (key order included), through the real command line on tiny
+models; each setting is declared once (``run`` repeats no default, no option is written by
+hand, the parsed defaults are the dataclass's); each bound keeps its message word for word."""
 
 from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass
+from typing import Literal
 
 import pytest
 
 from diffattn.cli import main
+from diffattn.eval.settings import Settings, setting
 from helpers import tiny_diffattn, tiny_hf
 
 pytestmark = pytest.mark.extra("train", "hf")
@@ -354,3 +359,43 @@ def test_the_shared_options_are_generated_too(name):
     tree = ast.parse(inspect.getsource(importlib.import_module(f"diffattn.eval.{name}")))
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
     assert not [ast.unparse(c) for c in calls if getattr(c.func, "attr", "") == "add_argument"]
+
+
+@dataclass(frozen=True)
+class Toy(Settings):
+    max_heads: int = setting(8, min=1, max=64, help="heads (default {default})")
+    mode: Literal["a", "b"] = setting("a", error="--mode must be a or b, got {mode!r}")
+    sizes: tuple[int, ...] = setting((1, 2), help="sizes (default {default})")
+    verbose: bool = setting(False, command_only=True)
+    first: str = setting("x", report_last=True)
+    last: str = setting("y")
+
+
+"""A settings class of every kind of setting."""
+
+
+def test_the_mechanism_on_a_settings_class_of_its_own():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    Toy.add_arguments(parser)
+    options = {a.dest: a for a in parser._actions}
+    assert options["max_heads"].option_strings == ["--max-heads"]
+    assert options["max_heads"].help == "heads (default 8)"
+    assert options["mode"].choices == ("a", "b")
+    assert options["sizes"].nargs == "+" and options["sizes"].default == [1, 2]
+    assert options["sizes"].help == "sizes (default 1 2)"
+    parsed = Toy.from_args(parser.parse_args(["--max-heads", "3", "--sizes", "4"]))
+    assert parsed == Toy(max_heads=3, sizes=[4])
+    assert list(parsed.report()) == ["max_heads", "mode", "sizes", "last", "first"]
+    for changes, message in [
+        ({"max_heads": 0}, "--max-heads must be at least 1, got 0"),
+        ({"max_heads": 65}, "--max-heads must be at most 64, got 65"),
+        ({"mode": "c"}, "--mode must be a or b, got 'c'"),
+    ]:
+        with pytest.raises(ValueError) as error:
+            Toy(**changes).check()
+        assert str(error.value) == message
+    assert Toy.given(Toy(max_heads=2), {"mode": "b"}) == Toy(max_heads=2, mode="b")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'verbose'"):
+        Toy.given(None, {"verbose": True})  # the command's own option, no setting of run

@@ -202,16 +202,16 @@ class Settings:
         """``ValueError`` with the message of the first setting out of its bounds, in field
         order (settings that share a message fail together)."""
         shown = {f.name: _shown(getattr(self, f.name)) for f in fields(self)}
+        hints = typing.get_type_hints(type(self))
         for f in fields(self):
             spec = _spec(f)
             value = getattr(self, f.name)
             if value is None or (spec.min is None and spec.max is None and spec.error is None):
                 continue
             items = list(value) if isinstance(value, tuple | list) else [value]
-            if spec.choices is not None:
-                if spec.error is not None and (
-                    not items or any(v not in spec.choices for v in items)
-                ):
+            choices = spec.choices or _literal(hints[f.name])
+            if choices is not None:
+                if spec.error is not None and (not items or any(v not in choices for v in items)):
                     raise ValueError(spec.error.format(**shown))
                 continue
             low = spec.min is not None and (not items or any(v < spec.min for v in items))
@@ -219,7 +219,7 @@ class Settings:
             if high and spec.max_error is not None:
                 raise ValueError(spec.max_error.format(**shown))
             if low or high:
-                raise ValueError(_message(f.name, spec, value).format(**shown))
+                raise ValueError(_message(f.name, spec, low).format(**shown))
 
     # ---- the report --------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
@@ -231,13 +231,28 @@ class Settings:
         return {f.name: values[f.name] for f in ordered}
 
 
-def _message(name: str, spec: Spec, value: Any) -> str:
+def _message(name: str, spec: Spec, low: bool) -> str:
     if spec.error is not None:
         return spec.error
     flag = spec.flag or "--" + name.replace("_", "-")
-    if spec.min is not None and value < spec.min:
+    if low:
         return f"{flag} must be at least {spec.min:g}, got {{{name}}}"
     return f"{flag} must be at most {spec.max:g}, got {{{name}}}"
+
+
+def _item_type(hint: Any) -> tuple[Any, bool]:
+    """The type of one value of a setting (``X`` of ``X | None`` and of ``tuple[X, ...]``),
+    and whether the setting holds several."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is tuple:
+        return typing.get_args(hint)[0], True
+    return hint, False
+
+
+def _literal(hint: Any) -> tuple[Any, ...] | None:
+    kind, _ = _item_type(hint)
+    return typing.get_args(kind) if typing.get_origin(kind) is Literal else None
 
 
 def _option(f: dataclasses.Field, spec: Spec, hint: Any) -> tuple[list[str], dict[str, Any]]:
@@ -247,22 +262,18 @@ def _option(f: dataclasses.Field, spec: Spec, hint: Any) -> tuple[list[str], dic
     default = f.default if spec.cli_default is SAME else spec.cli_default
     if spec.recipe:
         default = None
-    kind = hint
-    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
-        kind = next(a for a in typing.get_args(kind) if a is not type(None))  # X | None: X
+    kind, several = _item_type(hint)
     if kind is bool:
         options["action"] = "store_false" if default else "store_true"
     else:
-        if spec.parse is None:
-            if typing.get_origin(kind) is tuple:
+        if spec.parse is None:  # the option's text is the value (or its items)
+            if several:
                 options["nargs"] = "+"
-                kind = typing.get_args(kind)[0]
-            if typing.get_origin(kind) is Literal:
-                options["choices"] = typing.get_args(kind)
-            elif kind in (int, float, Path):
+            if kind in (int, float, Path):
                 options["type"] = kind
-        if spec.choices is not None:
-            options["choices"] = spec.choices
+        choices = spec.choices or _literal(hint)
+        if choices is not None:
+            options["choices"] = choices
         if not spec.required and not spec.positional:
             options["default"] = _shown(default)
     if spec.required:
