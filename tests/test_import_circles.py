@@ -27,10 +27,6 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "diffattn"
 
-PENDING: dict[frozenset[str], str] = {}
-"""Circles known and owned elsewhere, each with the way out; no new entry belongs here.
-:func:`test_pending_circles_are_still_there` fails once one is broken, to delete its entry."""
-
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
@@ -191,14 +187,7 @@ def test_strongly_connected_components_find_every_circle():
 def test_no_import_circles():
     graph = import_graph()
     circles = [c for c in strongly_connected(graph) if len(c) > 1]
-    new = [c for c in circles if frozenset(c) not in PENDING]
-    assert not new, "\n".join(describe(c, graph) for c in sorted(new))
-
-
-def test_pending_circles_are_still_there():
-    circles = {frozenset(c) for c in strongly_connected(import_graph()) if len(c) > 1}
-    gone = [sorted(circle) for circle in PENDING if circle not in circles]
-    assert not gone, f"{gone} no longer circles: delete them from PENDING"
+    assert not circles, "\n".join(describe(c, graph) for c in sorted(circles))
 
 
 AUTO_CLASSES_CHECK = """
