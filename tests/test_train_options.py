@@ -9,17 +9,18 @@ import math
 
 import pytest
 import torch
-import yaml
 from torch import nn
+
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
+import yaml
 
 from diffattn import DiffTransformerLM, ModelConfig
 from diffattn.train import ConfigError, LRSchedule, TrainConfig, load_config, parameter_groups
 from diffattn.train.config import OptimSection, ScheduleSection, dump_config, read_recipe
 from diffattn.train.optim import CombinedOptimizer, build_optimizer, hidden_matrices
-from extras import require_extra
-
-pytestmark = require_extra("train")
-
 from train_helpers import REPO, read_losses, tiny_recipe, train_cli, write_recipe
 
 pytestmark = [pytestmark, pytest.mark.usefixtures("one_thread")]
