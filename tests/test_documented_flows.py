@@ -232,6 +232,7 @@ FLOWS: tuple[Flow, ...] = (
         "docs/eval.md",
         "diffattn eval needle baseline --compare v1",
         setup=fx.needle_models,
+        replace=(("--samples 2", "--samples 1"),),
         expect=("needle-run/report.md",),
     ),
     Flow(
@@ -413,7 +414,7 @@ FLOWS: tuple[Flow, ...] = (
             for x in (1e5, 2e5, 4e5, 8e5)
         )
         + "' > points.csv",
-        replace=(("--tokens 200000 400000 800000 1600000", "--tokens 4096 8192 16384"),),
+        replace=(("--tokens 200000 400000 800000 1600000", "--tokens 1024 2048 4096"),),
         append=(
             (
                 r"diffattn scaling --(sizes|axis)",
