@@ -1,5 +1,5 @@
 """The command line of every ``diffattn eval`` experiment, pinned as it was before its settings
-were declared once (:mod:`diffattn.eval.settings`): each option's strings, destination, action,
+were declared once (:mod:`diffattn.settings`): each option's strings, destination, action,
 default, type, choices, nargs, metavar, help and mutually exclusive group, in order; what the
 parser sets by default besides (``data_defaults``); the namespace a bare command line parses to;
 and a digest of ``--help``. A change to any of them fails here.

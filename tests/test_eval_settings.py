@@ -1,4 +1,4 @@
-"""``diffattn eval``'s settings (:mod:`diffattn.eval.settings`): each experiment's report keeps
+"""``diffattn eval``'s settings (:mod:`diffattn.settings`): each experiment's report keeps
 the settings block it always wrote (key order included), through the real command line on tiny
 models; each setting is declared once (``run`` repeats no default, no option is written by
 hand, the parsed defaults are the dataclass's); each bound keeps its message word for word."""
@@ -13,7 +13,7 @@ from typing import Literal
 import pytest
 
 from diffattn.cli import main
-from diffattn.eval.settings import Settings, setting
+from diffattn.settings import Settings, setting
 from helpers import tiny_diffattn, tiny_hf
 
 pytestmark = pytest.mark.extra("train", "hf")
@@ -218,7 +218,7 @@ def _experiments():
 
 
 def _settings_class(module):
-    from diffattn.eval.settings import Settings
+    from diffattn.settings import Settings
 
     cls = getattr(module.add_arguments, "__self__", None)
     assert isinstance(cls, type) and issubclass(cls, Settings), (

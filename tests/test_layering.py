@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "diffattn.checkpoint": 0,
     "diffattn.fileio": 0,
     "diffattn.version": 0,
+    "diffattn.settings": 0,
     "diffattn.flops": 0,
     "diffattn.hardware": 0,
     # libraries

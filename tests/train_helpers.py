@@ -5,8 +5,10 @@ The ``test_train_*`` modules import from it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -122,9 +124,47 @@ def torchrun_target(
         f"--master-port={free_port()}",
         *target,
     ]
-    return subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env=subprocess_env()
+    return run_launcher(command, timeout, subprocess_env())
+
+
+def run_launcher(
+    command: list[str], timeout: float, env: dict[str, str]
+) -> subprocess.CompletedProcess:
+    """Run a launcher (torchrun and its workers) in its own process group.
+
+    A run past ``timeout`` is a hang: every process of the group gets SIGABRT, on which
+    Python's faulthandler (``PYTHONFAULTHANDLER=1``) prints each thread's stack, then SIGKILL,
+    so no worker outlives the test; the failure shows those stacks and the output so far.
+    """
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "PYTHONFAULTHANDLER": "1"},
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _signal_group(process.pid, signal.SIGABRT)
+        try:
+            stdout, stderr = process.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            _signal_group(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+        _signal_group(process.pid, signal.SIGKILL)
+        raise AssertionError(
+            f"{' '.join(command)} hung for {timeout:.0f} s; its processes' stacks and output:\n"
+            f"--- stdout (end)\n{stdout[-6000:]}\n--- stderr (end)\n{stderr[-20000:]}"
+        ) from None
+    _signal_group(process.pid, signal.SIGKILL)  # a worker left behind by the launcher
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
 
 
 def read_losses(out_dir: Path) -> dict[int, float]:
@@ -186,6 +226,4 @@ def launch_with_faults(
         "--quiet",
         *extra,
     ]
-    return subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, env={**subprocess_env(), **env}
-    )
+    return run_launcher(command, timeout, {**subprocess_env(), **env})

@@ -1,7 +1,7 @@
 """The papers' measurements as functions and as ``diffattn eval <experiment>`` commands.
 
 Each experiment module has ``NAME``, ``HELP``, a settings dataclass declaring each of its
-settings once (:mod:`diffattn.eval.settings`: default, type, bounds, help, flag), the
+settings once (:mod:`diffattn.settings`: default, type, bounds, help, flag), the
 ``add_arguments(parser)`` generated from it, ``run(models, settings)`` (importable:
 ``diffattn.eval.loss.run(models, LossSettings(seq_len=256))``, or the settings by name:
 ``run(models, seq_len=256)``) and ``main(args)`` (the command). The shared conventions

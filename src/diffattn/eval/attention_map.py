@@ -46,8 +46,8 @@ from diffattn.eval.common import (
     pyplot,
     save_figure,
 )
-from diffattn.eval.settings import Settings, setting
 from diffattn.loading import TextTokenizer
+from diffattn.settings import Settings, setting
 
 NAME = "attention"
 HELP = "draw A1, A2 and A1 − λA2 (or A) over the tokens of your own prompt (DIFF V1 Fig 1)"

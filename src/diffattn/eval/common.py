@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from diffattn.eval.settings import Settings, setting
 from diffattn.loading import TextTokenizer
+from diffattn.settings import Settings, setting
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RESULTS_NAME = "results.json"
@@ -313,7 +313,7 @@ class CommonOptions(Settings):
     """The options every ``diffattn eval`` experiment has: ``MODEL``, ``--compare``, ``--dex``,
     ``--out``, ``--device``, ``--dtype``, ``--batch-size``, ``--seed`` and ``--quiet``.
     An experiment whose ``run`` takes ``batch_size`` or ``seed`` declares it with
-    :func:`~diffattn.eval.settings.shared`."""
+    :func:`~diffattn.settings.shared`."""
 
     model: str = setting(
         positional=True,

@@ -40,8 +40,8 @@ from diffattn.eval.common import (
     pyplot,
     save_figure,
 )
-from diffattn.eval.settings import like, setting, shared
 from diffattn.eval.text import DataSettings, model_windows, open_documents
+from diffattn.settings import like, setting, shared
 
 NAME = "effective"
 HELP = "Dex effective attention: pinv and optimisation estimates and their agreement (App. F.3)"

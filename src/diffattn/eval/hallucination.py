@@ -56,8 +56,8 @@ from diffattn.eval.common import (
 )
 from diffattn.eval.judge import HTTPJudge, LocalJudge, judge_prompt, parse_verdict
 from diffattn.eval.needle import greedy
-from diffattn.eval.settings import Settings, setting, shared
 from diffattn.eval.text import context_limit
+from diffattn.settings import Settings, setting, shared
 
 NAME = "hallucination"
 HELP = "judged hallucination-free accuracy in summarization and QA (DIFF Tab 4, Lookback Lens)"

@@ -48,9 +48,9 @@ from diffattn.eval.common import (
     pyplot,
     save_figure,
 )
-from diffattn.eval.settings import like, setting, shared
 from diffattn.eval.text import WINDOW_BOUNDS, DataSettings, model_windows, open_documents, padded
 from diffattn.probe import AttentionEntropy, Capture, HeadOutputs, Probe
+from diffattn.settings import like, setting, shared
 
 NAME = "heads"
 HELP = "per-head sparsity, entropy, signs, redundancy (cosine, CKA), importance (Dex §2)"

@@ -41,8 +41,8 @@ from diffattn.eval.common import (
     pyplot,
     save_figure,
 )
-from diffattn.eval.settings import like, setting, shared
 from diffattn.eval.text import WINDOW_BOUNDS, DataSettings, model_windows, open_documents, padded
+from diffattn.settings import like, setting, shared
 
 NAME = "hessian"
 HELP = "dominant Hessian eigenvalue per batch and its spectrum over batches (Dex §2.4, Fig 7)"

@@ -58,8 +58,8 @@ from diffattn.eval.common import (
 )
 from diffattn.eval.icl_data import DATASETS, Example, ICLData, ICLFormat, load_dataset
 from diffattn.eval.label_trie import LabelTrie, SharedPrefix, greedy_labels, label_logprobs
-from diffattn.eval.settings import Settings, setting, shared
 from diffattn.eval.text import context_limit
+from diffattn.settings import Settings, setting, shared
 
 NAME = "icl"
 HELP = "many-shot in-context classification by shots and its robustness to order (DIFF Fig 6/7)"

@@ -46,7 +46,6 @@ from diffattn.eval.common import (
     require_tokenizer,
     save_figure,
 )
-from diffattn.eval.settings import setting, shared
 from diffattn.eval.text import (
     WINDOW_BOUNDS,
     DataSettings,
@@ -56,6 +55,7 @@ from diffattn.eval.text import (
     window_nll,
     windows,
 )
+from diffattn.settings import setting, shared
 
 NAME = "loss"
 HELP = "validation loss with AR-Hit / Others slices and cumulative NLL by position (DIFF Tab 6)"

@@ -41,7 +41,7 @@ from diffattn.eval.common import (
 from diffattn.eval.loglik import Score, score
 from diffattn.eval.mc_data import SOURCES, SPLITS, load_task, parse_data_specs
 from diffattn.eval.mc_tasks import TASKS, Item, shot_context
-from diffattn.eval.settings import Settings, setting, shared
+from diffattn.settings import Settings, setting, shared
 
 NAME = "mc"
 HELP = "zero-/k-shot multiple choice: HellaSwag, ARC, PIQA, WinoGrande, BoolQ, OBQA, COPA"

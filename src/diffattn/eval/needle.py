@@ -85,8 +85,8 @@ from diffattn.eval.common import (
     save_figure,
     seed_everything,
 )
-from diffattn.eval.settings import Settings, setting, shared
 from diffattn.eval.text import context_limit
+from diffattn.settings import Settings, setting, shared
 
 NAME = "needle"
 HELP = "multi-needle retrieval by depth and length, attention to answer and noise (DIFF Tab 2/3)"

@@ -43,7 +43,6 @@ from diffattn.eval.common import (
     pyplot,
     save_figure,
 )
-from diffattn.eval.settings import like, setting, shared
 from diffattn.eval.text import (
     WINDOW_BOUNDS,
     DataSettings,
@@ -52,6 +51,7 @@ from diffattn.eval.text import (
     padded,
     window_nll,
 )
+from diffattn.settings import like, setting, shared
 
 NAME = "outliers"
 HELP = "top-k |attention logits| and |hidden states|, loss with 8/6/4-bit logits (DIFF Tab 5)"

@@ -24,7 +24,7 @@ from diffattn.eval.common import (
     require_tokenizer,
     seed_everything,
 )
-from diffattn.eval.settings import Settings, setting
+from diffattn.settings import Settings, setting
 
 WINDOW_BOUNDS = "--seq-len and --max-tokens must be at least 2, --batch-size at least 1"
 """The message of ``--seq-len``, ``--max-tokens`` and ``--batch-size`` out of bounds (each
@@ -38,7 +38,7 @@ class DataSettings(Settings):
     ``--seq-len`` and ``--max-tokens``. The first four and ``--seq-len`` default to the
     evaluated run's own recipe (:mod:`diffattn.eval.run_split`), else to these defaults. An
     experiment declares its own ``seq_len`` and ``max_tokens`` defaults with
-    :func:`~diffattn.eval.settings.like` (these are eval loss's)."""
+    :func:`~diffattn.settings.like` (these are eval loss's)."""
 
     data: tuple[str, ...] = setting(
         ("stdlib",), recipe=True, help="data specs (default: the run's data.sources, else stdlib)"

@@ -1,10 +1,11 @@
-"""One declaration per setting of a ``diffattn eval`` experiment.
+"""One declaration per setting of a command or an experiment.
 
-A setting is a field of the experiment's settings dataclass (a :class:`Settings`), declared
-once with :func:`setting`: its default, its type (``int``, ``float``, ``str``, ``Path``,
-``bool``, ``tuple[X, ...]``, ``X | None``, ``Literal[...]``), its bounds (``min``/``max``, or
-``choices``; a ``Literal`` type gives them), its help text and its flag (``--max-heads`` for
-``max_heads`` unless ``flag`` says otherwise). From that one class come
+A setting is a field of the command's (or experiment's) settings dataclass (a
+:class:`Settings`), declared once with :func:`setting`: its default, its type (``int``,
+``float``, ``str``, ``Path``, ``bool``, ``tuple[X, ...]``, ``X | None``, ``Literal[...]``), its
+bounds (``min``/``max``, or ``choices``; a ``Literal`` type gives them), its help text and its
+flag (``--max-heads`` for ``max_heads`` unless ``flag`` says otherwise). From that one class
+come
 
 1. the command's options (:meth:`Settings.add_arguments`): option strings, ``type``,
    ``nargs``, ``choices``, ``default``, ``metavar`` and ``help`` (where ``{default}`` is
@@ -29,7 +30,8 @@ it know our two conventions: document settings that default to the evaluated run
 (``recipe``), and options that every experiment shares
 (:class:`~diffattn.eval.common.CommonOptions`, :func:`shared`).
 
-This module is the eval layer's own (no import of the core or of torch).
+This module imports nothing of diffattn and not torch: every layer may use it (the eval
+experiments, the benchmarks, the commands).
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ class Spec:
     cli_default: Any = SAME
     parse: Callable[[Any], Any] | None = None
     shared: bool = False
+    nargs: Any = None
+    const: Any = None
+    action: str | None = None
+    type: Callable[[str], Any] | None = None
+    suppress: bool = False
 
 
 def setting(default: Any = MISSING, **spec: Any) -> Any:
@@ -97,6 +104,11 @@ def setting(default: Any = MISSING, **spec: Any) -> Any:
     * ``cli_default`` and ``parse``: the option's own default and how its value becomes the
       setting (``"all"`` → ``None``), for options whose text is not the value itself; an
       option with ``parse`` that is left out (``None``) gives the setting's default.
+    * ``nargs``, ``const``, ``action`` and ``type``: argparse's own, for an option that the
+      type alone does not describe (``--compile [MODE]``: ``nargs="?"``, ``const``; a value
+      checked by a function of its own: ``type``); each overrides what the type gives.
+    * ``suppress``: the option's help is ``argparse.SUPPRESS`` (an option kept working but
+      no longer listed).
     """
     return dataclasses.field(default=default, metadata={"setting": Spec(**spec)})
 
@@ -282,6 +294,15 @@ def _option(f: dataclasses.Field, spec: Spec, hint: Any) -> tuple[list[str], dic
         options["metavar"] = spec.metavar
     if spec.help is not None:
         options["help"] = spec.help.format(default=_Words(f.default))
+    if spec.suppress:
+        options["help"] = argparse.SUPPRESS
+    for name in ("nargs", "const", "action", "type"):
+        value = getattr(spec, name)
+        if value is not None:
+            options[name] = value
+    if options.get("action") in ("store_true", "store_false", "store_const", "count"):
+        options.pop("type", None)
+        options.pop("nargs", None)
     if not spec.positional:
         options["dest"] = spec.dest or f.name
     return [flag], options
