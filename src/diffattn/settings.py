@@ -40,7 +40,7 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
@@ -62,7 +62,7 @@ class Spec:
     flag: str | None = None
     dest: str | None = None
     metavar: str | None = None
-    choices: tuple[Any, ...] | None = None
+    choices: tuple[Any, ...] | Callable[[], Sequence[Any]] | None = None
     min: float | None = None
     max: float | None = None
     error: str | None = None
@@ -90,8 +90,9 @@ def setting(default: Any = MISSING, **spec: Any) -> Any:
     * ``flag``: the option string (default ``--`` and the name with dashes); ``dest``: where
       argparse stores it when that is not the name (``--query`` → ``query``).
     * ``min``/``max``: bounds, of each item of a tuple (which must not be empty); ``choices``
-      (a ``Literal`` type gives them); ``error``: the message when a bound fails or, given with
-      choices, when a value is not among them (choices without it are left to argparse);
+      (a ``Literal`` type gives them; a function gives them when the parser is built);
+      ``error``: the message when a bound fails or, given with choices, when a value is not
+      among them (choices without it are left to argparse);
       ``max_error``: the message when only ``max`` fails. ``{name}`` in a message is the
       value of setting ``name`` (a tuple as a list).
     * ``required``: the command line must give it; ``positional``: an argument, not an option;
@@ -221,7 +222,7 @@ class Settings:
             if value is None or (spec.min is None and spec.max is None and spec.error is None):
                 continue
             items = list(value) if isinstance(value, tuple | list) else [value]
-            choices = spec.choices or _literal(hints[f.name])
+            choices = _choices(spec) or _literal(hints[f.name])
             if choices is not None:
                 if spec.error is not None and (not items or any(v not in choices for v in items)):
                     raise ValueError(spec.error.format(**shown))
@@ -250,6 +251,14 @@ def _message(name: str, spec: Spec, low: bool) -> str:
     if low:
         return f"{flag} must be at least {spec.min:g}, got {{{name}}}"
     return f"{flag} must be at most {spec.max:g}, got {{{name}}}"
+
+
+def _choices(spec: Spec) -> tuple[Any, ...] | None:
+    """A setting's choices; a callable gives them when the parser is built (choices that need
+    an import the command line should not pay for until then)."""
+    if callable(spec.choices):
+        return tuple(spec.choices())
+    return spec.choices
 
 
 def _item_type(hint: Any) -> tuple[Any, bool]:
@@ -283,7 +292,7 @@ def _option(f: dataclasses.Field, spec: Spec, hint: Any) -> tuple[list[str], dic
                 options["nargs"] = "+"
             if kind in (int, float, Path):
                 options["type"] = kind
-        choices = spec.choices or _literal(hint)
+        choices = _choices(spec) or _literal(hint)
         if choices is not None:
             options["choices"] = choices
         if not spec.required and not spec.positional:
