@@ -41,6 +41,7 @@ from diffattn.attention.kernels import (
 )
 from diffattn.attention.mask import AttentionMask
 from diffattn.attention.registry import backend_names, get_backend
+from diffattn.settings import Settings, setting
 
 HEAD_DIM = 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -65,14 +66,41 @@ OWN_KERNELS = {
 
 
 @dataclass(frozen=True)
-class Shape:
-    """Sizes of the timed calls: ``heads`` query heads of width 64 for the baseline."""
+class BackendsSettings(Settings):
+    """The settings of ``diffattn backends``, in the order ``--help`` lists them (``min``:
+    each size's lower bound, checked in the order of :data:`BOUNDED`)."""
 
-    seq_len: int = 2048
-    heads: int = 8
-    kv_heads: int = 8
-    batch: int = 1
-    head_dim: int = HEAD_DIM
+    device: str = setting("cpu", choices=("cpu", "cuda"))
+    dtype: str = setting("all", choices=(*DTYPES, "all"), help="default: fp32 and bf16")
+    time: bool = setting(False, help="time every candidate per case, interleaved")
+    entries: str = setting(",".join(auto.ENTRIES), help="entry points to time")
+    cases: str = setting(",".join(CASES[:-1]), help="cases to time")
+    seq_len: int = setting(2048, min=2, help="--time: keys per call")
+    heads: int = setting(8, min=1, help="--time: baseline query heads")
+    kv_heads: int | None = setting(None, help="--time: default --heads")
+    batch: int = setting(1, min=1)
+    head_dim: int = setting(HEAD_DIM, min=1, help="head width")
+    repeats: int = setting(5, min=1, help="--time: timed repetitions")
+    reference: bool = setting(False, help="--time: time the reference kernel too")
+    json: bool = setting(False, help="--time: JSON records on stdout")
+
+
+add_arguments = BackendsSettings.add_arguments
+"""Add the options of ``diffattn backends`` to ``parser``."""
+BOUNDED = ("seq_len", "heads", "batch", "repeats", "head_dim")
+"""The sizes with a lower bound (their setting's ``min``), in the order they are checked."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sizes of the timed calls: ``heads`` query heads of width 64 for the baseline; by
+    default those of ``diffattn backends`` (``kv_heads``: as many as ``heads``)."""
+
+    seq_len: int = BackendsSettings.seq_len
+    heads: int = BackendsSettings.heads
+    kv_heads: int = BackendsSettings.heads
+    batch: int = BackendsSettings.batch
+    head_dim: int = BackendsSettings.head_dim
 
 
 def _mask(case: str, batch: int, n: int, s: int, device) -> AttentionMask:
@@ -244,30 +272,7 @@ def time_case(
     }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``diffattn backends``."""
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument(
-        "--dtype", choices=(*DTYPES, "all"), default="all", help="default: fp32 and bf16"
-    )
-    parser.add_argument(
-        "--time", action="store_true", help="time every candidate per case, interleaved"
-    )
-    parser.add_argument("--entries", default=",".join(auto.ENTRIES), help="entry points to time")
-    parser.add_argument("--cases", default=",".join(CASES[:-1]), help="cases to time")
-    parser.add_argument("--seq-len", type=int, default=2048, help="--time: keys per call")
-    parser.add_argument("--heads", type=int, default=8, help="--time: baseline query heads")
-    parser.add_argument("--kv-heads", type=int, default=None, help="--time: default --heads")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="head width")
-    parser.add_argument("--repeats", type=int, default=5, help="--time: timed repetitions")
-    parser.add_argument(
-        "--reference", action="store_true", help="--time: time the reference kernel too"
-    )
-    parser.add_argument("--json", action="store_true", help="--time: JSON records on stdout")
-
-
-def _problem(args: argparse.Namespace) -> str | None:
+def _problem(args: BackendsSettings) -> str | None:
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: CUDA is not available on this machine"
     entries = args.entries.split(",")
@@ -275,8 +280,9 @@ def _problem(args: argparse.Namespace) -> str | None:
         return f"--entries: choose among {', '.join(auto.ENTRIES)}, got {args.entries!r}"
     if any(c not in CASES[:-1] for c in args.cases.split(",")):
         return f"--cases: choose among {', '.join(CASES[:-1])}, got {args.cases!r}"
-    for name in ("seq_len", "heads", "batch", "repeats", "head_dim"):
-        if getattr(args, name) < (2 if name == "seq_len" else 1):
+    for name in BOUNDED:
+        low = BackendsSettings.__dataclass_fields__[name].metadata["setting"].min
+        if getattr(args, name) < low:
             return f"--{name.replace('_', '-')} is too small: {getattr(args, name)}"
     kv = args.kv_heads or args.heads
     if args.heads % 2 or kv % 2 or args.heads % kv:
@@ -284,30 +290,44 @@ def _problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    """``diffattn backends``; returns the exit code (2 on bad input)."""
-    problem = _problem(args)
+def run(args: argparse.Namespace | BackendsSettings) -> int:
+    """``diffattn backends`` with the parsed command line (or its :class:`BackendsSettings`);
+    returns the exit code (2 on bad input)."""
+    settings = args if isinstance(args, BackendsSettings) else BackendsSettings.from_args(args)
+    problem = _problem(settings)
     if problem is not None:
         print(f"diffattn backends: error: {problem}", file=sys.stderr)
         return 2
-    dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype]
-    if not args.time:
-        print(listing(args.device, dtypes, args.head_dim))
+    dtypes = list(DTYPES) if settings.dtype == "all" else [settings.dtype]
+    if not settings.time:
+        print(listing(settings.device, dtypes, settings.head_dim))
         return 0
-    shape = Shape(args.seq_len, args.heads, args.kv_heads or args.heads, args.batch, args.head_dim)
+    shape = Shape(
+        settings.seq_len,
+        settings.heads,
+        settings.kv_heads or settings.heads,
+        settings.batch,
+        settings.head_dim,
+    )
     records = []
     for dtype in dtypes:
-        for entry in args.entries.split(","):
-            for case in args.cases.split(","):
+        for entry in settings.entries.split(","):
+            for case in settings.cases.split(","):
                 print(f"timing {entry} {case} {dtype}", file=sys.stderr, flush=True)
                 record = time_case(
-                    entry, case, shape, args.device, DTYPES[dtype], args.repeats, args.reference
+                    entry,
+                    case,
+                    shape,
+                    settings.device,
+                    DTYPES[dtype],
+                    settings.repeats,
+                    settings.reference,
                 )
                 records.append({**record, "dtype": dtype, "threads": torch.get_num_threads()})
-    if args.json:
+    if settings.json:
         print(json.dumps(records, indent=1))
         return 0
-    print(f"{shape}, {args.repeats} interleaved repetitions, {torch.get_num_threads()} threads")
+    print(f"{shape}, {settings.repeats} interleaved repetitions, {torch.get_num_threads()} threads")
     print(f"{'dtype':<5} {'entry':<8} {'call':<18} {'auto':<7} backend: median ms (paired x sdpa)")
     for r in records:
         cells = "  ".join(

@@ -1,5 +1,6 @@
-"""The options of ``diffattn bench``: their definitions, what they imply (modes, lengths,
-warmup, the longest position needed) and their validation (one message naming the option).
+"""The options of ``diffattn bench``: their one declaration (:class:`BenchSettings`), what they
+imply (modes, lengths, warmup, the longest position needed) and their validation (one message
+naming the option).
 
 Split from :mod:`diffattn.bench.throughput`, which re-exports every public name.
 """
@@ -7,13 +8,16 @@ Split from :mod:`diffattn.bench.throughput`, which re-exports every public name.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from diffattn.attention.kernels import resolve_backend
 from diffattn.attention.registry import backend_names
 from diffattn.bench.models import DEX_ROWS, hf_available
+from diffattn.settings import Settings, setting
 
 HEAD_DIM = 64
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
@@ -35,134 +39,122 @@ def _lengths(text: str) -> list[int]:
     return values
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``diffattn bench`` to ``parser`` (in the order ``--help`` lists)."""
-    _add_size_arguments(parser)
-    _add_timing_arguments(parser)
-    _add_device_arguments(parser)
-    _add_row_arguments(parser)
+@dataclass(frozen=True)
+class BenchSettings(Settings):
+    """The settings of ``diffattn bench``, in the order ``--help`` lists them: the models' shape
+    (heads of width ``--head-dim``, paired by DIFF V1 §2.1) and the batch; what is timed and how
+    often; where and how the models run; which rows are timed and at which lengths.
 
+    ``min`` is each count's lower bound, checked by :func:`_check_arguments` in the order and
+    words the command has always used (:meth:`check` raises its message)."""
 
-def _add_size_arguments(parser: argparse.ArgumentParser) -> None:
-    """The models' shape (heads of width ``--head-dim``, paired by DIFF V1 §2.1) and the batch."""
-    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
-    parser.add_argument(
-        "--d-model",
-        type=int,
-        default=512,
-        help="model width, a multiple of 128 (heads of width 64, paired by V1)",
+    # the models' shape and the batch
+    seq_len: int = setting(2048, min=2, help="tokens per sequence")
+    d_model: int = setting(
+        512, help="model width, a multiple of 128 (heads of width 64, paired by V1)"
     )
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
-    parser.add_argument(
-        "--head-dim",
-        type=int,
-        default=HEAD_DIM,
-        help=f"width of the baseline's heads (default {HEAD_DIM}); n_heads = d_model / "
+    layers: int = setting(4, min=1, help="decoder layers")
+    head_dim: int = setting(
+        HEAD_DIM,
+        help="width of the baseline's heads (default {default}); n_heads = d_model / "
         "head_dim, and DIFF V1 pairs them",
     )
-    parser.add_argument(
-        "--kv-heads",
-        type=int,
-        default=None,
+    kv_heads: int | None = setting(
+        None,
+        min=1,
         help="key/value heads (GQA); default d_model/64 (no grouping); DIFF V1 needs it even",
     )
-    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
-
-
-def _add_timing_arguments(parser: argparse.ArgumentParser) -> None:
-    """What is timed and how often: repetitions, modes, decode lengths, compilation, memory."""
-    parser.add_argument("--steps", type=int, default=3, help="timed repetitions per mode")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
-    parser.add_argument(
-        "--mode",
+    vocab: int = setting(8192, min=2, help="vocabulary size")
+    batch: int = setting(1, min=1, help="sequences per step")
+    # what is timed and how often
+    steps: int = setting(3, min=1, help="timed repetitions per mode")
+    warmup: int = setting(1, min=0, help="untimed repetitions first")
+    mode: str = setting(
+        "all",
         choices=MODE_CHOICES,
-        default="all",
         help="what to time: fwd, fwd+bwd, decode or all three (default)",
     )
-    parser.add_argument(
-        "--prompt-len", type=int, default=None, help="decode: prompt tokens (default --seq-len)"
-    )
-    parser.add_argument("--new-tokens", type=int, default=64, help="decode: tokens generated")
-    parser.add_argument(
-        "--compile",
-        action="store_true",
+    prompt_len: int | None = setting(None, min=1, help="decode: prompt tokens (default --seq-len)")
+    new_tokens: int = setting(64, min=1, help="decode: tokens generated")
+    compile: bool = setting(
+        False,
         help="compile our models as the trainer and generate do (during warmup): every "
         "decoder block through torch.compile for fwd and fwd+bwd, and the static-cache "
         "decode step (CUDA graphs on CUDA) for decode",
     )
-    parser.add_argument(
-        "--mem-seq-len",
-        type=int,
-        default=None,
+    mem_seq_len: int | None = setting(
+        None,
+        min=2,
         help="measure fwd and fwd+bwd peak memory at this length (default --seq-len)",
     )
-
-
-def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where and how the models run, the peak for MFU, and the output format."""
-    parser.add_argument("--device", choices=DEVICES, default="cpu")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
-    parser.add_argument(
-        "--backend",
-        default="auto",
+    # where and how the models run, the peak for MFU, and the output format
+    device: str = setting("cpu", choices=DEVICES)
+    dtype: str = setting("fp32", choices=tuple(DTYPES))
+    backend: str = setting(
+        "auto",
         help="attention backend of the diffattn models: auto or a registered one "
         "(diffattn.attention.registry)",
     )
-    parser.add_argument(
-        "--peak-tflops",
-        type=float,
-        default=None,
+    peak_tflops: float | None = setting(
+        None,
         help="the device's dense peak TFLOP/s in --dtype, for MFU (known GPUs need none)",
     )
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON array of records to stdout (progress to stderr)",
+    json: bool = setting(
+        False, help="print one JSON array of records to stdout (progress to stderr)"
     )
-
-
-def _add_row_arguments(parser: argparse.ArgumentParser) -> None:
-    """Which rows are timed (ours, HF, Dex) and at which lengths, and the sweep's plot."""
-    parser.add_argument(
-        "--no-hf", action="store_true", help="skip the Hugging Face DiffLlama and Llama models"
-    )
-    parser.add_argument(
-        "--dex",
-        action="store_true",
+    # which rows are timed (ours, HF, Dex) and at which lengths, and the sweep's plot
+    no_hf: bool = setting(False, help="skip the Hugging Face DiffLlama and Llama models")
+    dex: bool = setting(
+        False,
         help="add HF Llama with Dex on half its heads, unmerged and merged (needs transformers)",
     )
-    parser.add_argument(
-        "--models",
+    models: list[str] | None = setting(  # noqa: RUF009 (a field, as every setting())
+        None,
         type=lambda text: [name for name in text.replace(",", " ").split() if name],
-        default=None,
         help="time only these rows (e.g. baseline,hf_llama); each row's reference "
         "(baseline for ours, hf_llama for HF and Dex rows) must be among them",
     )
-    parser.add_argument(
-        "--sweep",
+    sweep: list[int] | None = setting(  # noqa: RUF009 (a field, as every setting())
+        None,
         type=_lengths,
-        default=None,
         help="time at each of these sequence lengths (e.g. 512,1024,2048); decode prompts too",
     )
-    parser.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
+    plot: Path | None = setting(  # noqa: RUF009 (a field, as every setting())
+        None,
         help="write a PNG of tokens/s against sequence length per mode; sweeps "
         "512..8192 on CUDA and 256,512,1024 on CPU unless --sweep is given",
     )
+
+    def check(self) -> None:
+        """``ValueError`` with the first problem :func:`_check_arguments` finds."""
+        problem = _check_arguments(self)
+        if problem is not None:
+            raise ValueError(problem)
+
+
+add_arguments = BenchSettings.add_arguments
+"""Add the options of ``diffattn bench`` to ``parser`` (in the order ``--help`` lists)."""
+
+
+def settings_of(args: argparse.Namespace | BenchSettings) -> BenchSettings:
+    """The settings of a parsed ``diffattn bench`` command line (settings stay as they are)."""
+    return args if isinstance(args, BenchSettings) else BenchSettings.from_args(args)
+
+
+Options = argparse.Namespace | BenchSettings
+"""What the functions below read: the settings, or a namespace with the same names (a
+script's own options, as ``scripts/profile_models.py`` gives :func:`build_configs`)."""
 
 
 # --------------------------------------------------------------------------------------
 # what the options imply, and their validation
 # --------------------------------------------------------------------------------------
-def modes_of(args: argparse.Namespace) -> tuple[str, ...]:
+def modes_of(args: Options) -> tuple[str, ...]:
     """The modes ``--mode`` asks for, in report order."""
     return MODES if args.mode == "all" else (args.mode,)
 
 
-def lengths_of(args: argparse.Namespace) -> list[int]:
+def lengths_of(args: Options) -> list[int]:
     """The sequence lengths to time: ``--sweep``, the default sweep of ``--plot``, or
     ``--seq-len``."""
     if args.sweep:
@@ -177,17 +169,17 @@ COMPILED_WARMUP = 2
 compile again once ``auto`` has remembered its first choices."""
 
 
-def warmup_of(args: argparse.Namespace) -> int:
+def warmup_of(args: Options) -> int:
     """Untimed repetitions before the timed ones (``--warmup``, raised for ``--compile``)."""
     return max(args.warmup, COMPILED_WARMUP) if args.compile else args.warmup
 
 
-def prompt_len_of(args: argparse.Namespace, seq_len: int) -> int:
+def prompt_len_of(args: Options, seq_len: int) -> int:
     """The decode prompt length at timed length ``seq_len``."""
     return args.prompt_len if args.prompt_len is not None else seq_len
 
 
-def longest(args: argparse.Namespace) -> int:
+def longest(args: Options) -> int:
     """The most positions any run of ``args`` needs (the models' ``max_seq_len``)."""
     need = [*lengths_of(args), args.mem_seq_len or 0]
     if "decode" in modes_of(args):
@@ -195,19 +187,33 @@ def longest(args: argparse.Namespace) -> int:
     return max(need)
 
 
-def _check_arguments(args: argparse.Namespace) -> str | None:
+BOUNDED = ("seq_len", "layers", "vocab", "batch", "steps", "warmup", "new_tokens")
+BOUNDED += ("prompt_len", "mem_seq_len", "kv_heads")
+"""The counts with a lower bound (their setting's ``min``), in the order they are checked."""
+WHY = {"seq_len": " (the loss needs a next token)", "mem_seq_len": " (as --seq-len)"}
+"""What a bound's message adds after the bound."""
+
+
+def _bound_problem(args: Options, name: str) -> str | None:
+    """The message of count ``name`` below its setting's ``min`` (``None``, where that is the
+    default, is left out), or ``None``."""
+    field = BenchSettings.__dataclass_fields__[name]
+    low: Any = field.metadata["setting"].min
+    value = getattr(args, name)
+    if value is None and field.default is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        option = "--" + name.replace("_", "-")
+        return f"{option} must be an integer >= {low}{WHY.get(name, '')}, got {value!r}"
+    return None
+
+
+def _check_arguments(args: Options) -> str | None:
     """The first problem with ``args`` as a message naming the option, or ``None``."""
-    minimum = {"seq_len": 2, "layers": 1, "vocab": 2, "batch": 1, "steps": 1, "warmup": 0}
-    minimum |= {"new_tokens": 1, "prompt_len": 1, "mem_seq_len": 2, "kv_heads": 1}
-    why = {"seq_len": " (the loss needs a next token)", "mem_seq_len": " (as --seq-len)"}
-    optional = {"prompt_len", "mem_seq_len", "kv_heads"}
-    for name, low in minimum.items():
-        value = getattr(args, name)
-        if value is None and name in optional:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            option = "--" + name.replace("_", "-")
-            return f"{option} must be an integer >= {low}{why.get(name, '')}, got {value!r}"
+    for name in BOUNDED:
+        problem = _bound_problem(args, name)
+        if problem is not None:
+            return problem
     d_model, head_dim = args.d_model, args.head_dim
     if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 2 or head_dim % 2:
         return f"--head-dim must be an even integer >= 2 (RoPE rotates pairs), got {head_dim!r}"
@@ -255,7 +261,7 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _check_models(args: argparse.Namespace) -> str | None:
+def _check_models(args: Options) -> str | None:
     hf = ("hf_llama", "hf_diffllama")
     known = (*ATTENTIONS, *([] if args.no_hf else hf), *(DEX_ROWS if args.dex else ()))
     unknown = [name for name in args.models if name not in known]

@@ -16,8 +16,24 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
+
+from diffattn.settings import Settings, setting
+
+
+@dataclass(frozen=True)
+class ProbeMemorySettings(Settings):
+    """The options of ``python -m diffattn.bench.probe_memory`` (``child`` and ``idle``: how
+    the command runs one measurement in a fresh process; not listed by ``--help``)."""
+
+    seq_len: int = setting(4096)
+    block_rows: int = setting(128)
+    threads: int = setting(2)
+    attention: tuple[str, ...] = setting(("baseline", "diff_v1", "diff_v2"))
+    child: str | None = setting(None, suppress=True)
+    idle: bool = setting(False, suppress=True)
 
 
 def _peak_mib() -> float:
@@ -56,7 +72,7 @@ def measure(attention: str, seq_len: int, block_rows: int, forward: bool) -> dic
     return result
 
 
-def _child(args: argparse.Namespace, attention: str, forward: bool) -> dict:
+def _child(args: ProbeMemorySettings, attention: str, forward: bool) -> dict:
     command = [
         sys.executable,
         "-m",
@@ -76,13 +92,8 @@ def _child(args: argparse.Namespace, attention: str, forward: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m diffattn.bench.probe_memory")
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--block-rows", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--attention", nargs="+", default=["baseline", "diff_v1", "diff_v2"])
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--idle", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    ProbeMemorySettings.add_arguments(parser)
+    args = ProbeMemorySettings.from_args(parser.parse_args(argv))
     torch.set_num_threads(args.threads)
     if args.child:
         print(json.dumps(measure(args.child, args.seq_len, args.block_rows, not args.idle)))

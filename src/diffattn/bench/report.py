@@ -7,13 +7,19 @@ Split from :mod:`diffattn.bench.throughput`, which re-exports every public name.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from typing import Any
 
 import torch
 
-from diffattn.bench.options import ATTENTIONS, lengths_of, modes_of, prompt_len_of, warmup_of
+from diffattn.bench.options import (
+    ATTENTIONS,
+    Options,
+    lengths_of,
+    modes_of,
+    prompt_len_of,
+    warmup_of,
+)
 from diffattn.flops import throughput_bound
 from diffattn.hardware import device_name, mfu, peak_tflops
 
@@ -173,7 +179,7 @@ def format_table(records: list[dict[str, Any]], mode: str, seq_len: int | None =
     return "\n".join(lines)
 
 
-def _mode_title(mode: str, seq_len: int, args: argparse.Namespace) -> str:
+def _mode_title(mode: str, seq_len: int, args: Options) -> str:
     blocks = "; ours: compiled blocks" if args.compile else ""
     if mode == "fwd":
         return f"forward, torch.no_grad(), N={seq_len}{blocks}"

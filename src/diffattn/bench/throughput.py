@@ -61,12 +61,15 @@ from diffattn.bench.options import (
     HEAD_DIM,
     MODE_CHOICES,
     MODES,
+    BenchSettings,
+    Options,
     _check_arguments,
     add_arguments,
     lengths_of,
     longest,
     modes_of,
     prompt_len_of,
+    settings_of,
     warmup_of,
 )
 from diffattn.bench.report import (
@@ -95,6 +98,7 @@ __all__ = [
     "MODES",
     "MODE_CHOICES",
     "RECORD_FIELDS",
+    "BenchSettings",
     "LiveTensorBytes",
     "add_arguments",
     "available_memory",
@@ -115,6 +119,7 @@ __all__ = [
     "prompt_len_of",
     "run",
     "runner",
+    "settings_of",
     "time_interleaved",
     "warmup_of",
 ]
@@ -125,7 +130,7 @@ def matched_v2(baseline: ModelConfig) -> ModelConfig:
     return presets.match_v2_params(baseline.replace(attention="diff_v2"))
 
 
-def build_configs(args: argparse.Namespace) -> dict[str, ModelConfig]:
+def build_configs(args: Options) -> dict[str, ModelConfig]:
     """Baseline, DIFF V1 and DIFF V2 configs at matched parameters."""
     baseline = ModelConfig(
         vocab_size=args.vocab,
@@ -150,7 +155,7 @@ def build_configs(args: argparse.Namespace) -> dict[str, ModelConfig]:
 GIB = 1024**3
 
 
-def estimate_memory(configs: dict[str, ModelConfig], args: argparse.Namespace) -> dict[str, int]:
+def estimate_memory(configs: dict[str, ModelConfig], args: Options) -> dict[str, int]:
     """A lower bound on the bytes a bench run holds at its peak, from the configs alone.
 
     ``weights``: every model under test stays resident (ours, plus HF Llama and DiffLlama
@@ -200,7 +205,7 @@ def available_memory(device: str) -> int | None:
         return None
 
 
-def check_memory(configs: dict[str, ModelConfig], args: argparse.Namespace) -> str | None:
+def check_memory(configs: dict[str, ModelConfig], args: Options) -> str | None:
     """The refusal of a size that cannot fit (naming the size and the need), or ``None``."""
     need = estimate_memory(configs, args)
     have = available_memory(args.device)
@@ -340,40 +345,43 @@ def peak_bytes(candidates, ids, mode, device, new_tokens: int = 1) -> dict[str, 
     return peaks
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the benchmark described by ``args``; returns the exit code (2 on bad input)."""
+def run(args: argparse.Namespace | BenchSettings) -> int:
+    """Run the benchmark of ``args`` (the parsed command line, or its
+    :class:`~diffattn.bench.options.BenchSettings`); returns the exit code (2 on bad input)."""
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    problem = _check_arguments(args)
+    settings = settings_of(args)
+    problem = _check_arguments(settings)
     if problem is None:
         try:
-            configs = build_configs(args)
+            configs = build_configs(settings)
         except ValueError as error:
             problem = str(error)
     if problem is None:
-        problem = check_memory(configs, args)
+        problem = check_memory(configs, settings)
     if problem is not None:
         log(f"diffattn bench: error: {problem}")
         return 2
     try:
-        return _run(args, configs, log)
+        return _run(settings, configs, log)
     except (RuntimeError, MemoryError) as error:
         if not _out_of_memory(error):
             raise
-        need = estimate_memory(configs, args)["total"]
+        need = estimate_memory(configs, settings)["total"]
         first = " ".join(str(error).split())[:200]
         log(
-            f"diffattn bench: error: out of memory at d_model {args.d_model}, {args.layers} "
-            f"layers, batch {args.batch} x seq_len {max(lengths_of(args))} (at least "
+            f"diffattn bench: error: out of memory at d_model {settings.d_model}, "
+            f"{settings.layers} layers, batch {settings.batch} x seq_len "
+            f"{max(lengths_of(settings))} (at least "
             f"{need / GIB:,.1f} GiB estimated): {first}; lower --d-model, --layers, --seq-len "
             "or --batch"
         )
         return 2
 
 
-def build_candidates(args: argparse.Namespace, configs: dict[str, ModelConfig], log):
+def build_candidates(args: Options, configs: dict[str, ModelConfig], log):
     """Every model the run times, ours first (see :mod:`diffattn.bench.models`)."""
     device, dtype = args.device, DTYPES[args.dtype]
     candidates = our_candidates(configs, device, dtype, compiled=args.compile)
@@ -392,13 +400,13 @@ def build_candidates(args: argparse.Namespace, configs: dict[str, ModelConfig], 
     return candidates
 
 
-def _ids(args: argparse.Namespace, length: int) -> torch.Tensor:
+def _ids(args: Options, length: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(length)
     ids = torch.randint(0, args.vocab, (args.batch, length), generator=generator)
     return ids.to(args.device)
 
 
-def _run(args: argparse.Namespace, configs: dict[str, ModelConfig], log) -> int:
+def _run(args: Options, configs: dict[str, ModelConfig], log) -> int:
     candidates = build_candidates(args, configs, log)
     for c in candidates:
         kernels = ", ".join(f"{m} {c.kernel_in(m)}" for m in MODES) if c.mode_kernels else c.kernel
