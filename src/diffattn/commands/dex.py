@@ -2,14 +2,22 @@
 
 MODEL is a Hugging Face model directory, a diffattn model directory, or ``smollm2``. Exit
 codes: 0 done; 1 the run diverged; 2 an invalid setting or unsupported model (one message).
+
+Each sub-command's options are declared once, as the fields of its settings class
+(:class:`SelectSettings`, :class:`TrainSettings`, :class:`MergeSettings`,
+:class:`CompareSettings`; the first, second and last share :class:`ModelSettings`), and each
+sub-command runs from its settings object (:func:`select`, :func:`train`, :func:`merge`,
+:func:`compare`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
+from typing import Literal
 
-from diffattn.train.cli import add_set_option
+from diffattn.settings import Settings, like, setting
 
 DESCRIPTION = (
     "Dex, the differential extension of a pretrained decoder: select heads (§3.2), train "
@@ -17,149 +25,199 @@ DESCRIPTION = (
     "checkpoint, or compare against LoRA and full fine-tuning on the same data."
 )
 
+COMPARE_STEPS = 200
+"""Optimizer steps per method of ``dex compare`` when neither ``--steps`` nor the recipe
+gives them."""
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="HF model directory, diffattn model directory or smollm2")
-    add_set_option(
-        parser, "override a training-config entry, e.g. --set seq_len=128 --set data.max_bytes=1e6"
+
+def _k(value: float) -> int | float:
+    """``--k``: a whole number of heads (1 or more) as an int, else a share of the heads."""
+    return int(value) if float(value).is_integer() and value >= 1 else float(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSettings(Settings):
+    """What ``dex select``, ``dex train`` and ``dex compare`` share: the model, the
+    training-config overrides and the progress output."""
+
+    model: str = setting(
+        positional=True, help="HF model directory, diffattn model directory or smollm2"
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    overrides: tuple[str, ...] = setting(
+        (),
+        flag="--set",
+        action="append",
+        metavar="KEY=VALUE",
+        parse=tuple,
+        help="override a training-config entry, e.g. --set seq_len=128 --set data.max_bytes=1e6",
+    )
+    quiet: bool = setting(False, help="no progress output")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SelectSettings(ModelSettings):
+    """The settings of ``diffattn dex select``."""
+
+    method: Literal["entropy", "importance"] = setting("entropy")
+    k: int | float | None = setting(
+        None, type=float, parse=_k, help="heads per layer (default: half)"
+    )
+    order: Literal["high", "low"] | None = setting(None)
+    batches: int = setting(2, help="calibration batches")
+    out: str | None = setting(None, help="JSON file for the selection")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSettings(ModelSettings):
+    """The settings of ``diffattn dex train``."""
+
+    out: str = setting(required=True, help="run directory")
+    heads: str = setting("entropy", help="{default} (default), importance, all, or a JSON file")
+    steps: int = setting(100, help="optimizer steps")
+    lambda_init: str = setting("exp", help="{default} (default) or a number")
+    anneal_steps: int | None = setting(None, help="T of Eq.4 (default half)")
+    resume: bool = setting(False, help="continue the run in --out")
+    overwrite: bool = setting(False, help="replace a non-empty --out (another run)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergeSettings(Settings):
+    """The settings of ``diffattn dex merge``."""
+
+    adapter: str = setting(positional=True, help="adapter directory or dex train run directory")
+    model: str = like(
+        ModelSettings, "model", help="the pretrained model the adapter was trained on"
+    )
+    out: str = setting(required=True, help="output model directory (absent or empty)")
+    overwrite: bool = setting(False, help="replace a non-empty --out as a whole")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareSettings(ModelSettings):
+    """The settings of ``diffattn dex compare``."""
+
+    out: str = setting("runs/dex-compare", help="output directory")
+    steps: int | None = setting(None, help=f"optimizer steps per method (default {COMPARE_STEPS})")
+    methods: tuple[str, ...] | None = setting(
+        None, nargs="+", parse=tuple, help="subset of dex lora8 lora32 ft (default: all)"
+    )
+    recipe: str | None = setting(
+        None,
+        help="YAML with steps, methods, set and benchmarks (mc, needle, icl on every model), "
+        "e.g. configs/dex/smollm2.yaml; --steps, --methods and --set override it",
+    )
+    overwrite: bool = like(MergeSettings, "overwrite")
+
+
+VERBS: dict[str, tuple[type[Settings], str]] = {
+    "select": (SelectSettings, "score and select heads (entropy or importance)"),
+    "train": (TrainSettings, "train Dex with the diffattn trainer"),
+    "merge": (MergeSettings, "fold a trained adapter into W_O, save a plain model"),
+    "compare": (CompareSettings, "Dex vs LoRA-8/32 vs full fine-tuning"),
+}
+"""Each sub-command: its settings and its one-line help."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``dex`` sub-verbs to ``parser``."""
     verbs = parser.add_subparsers(dest="dex_verb", required=True, metavar="DEX_VERB")
-
-    select = verbs.add_parser("select", help="score and select heads (entropy or importance)")
-    _add_common(select)
-    select.add_argument("--method", choices=("entropy", "importance"), default="entropy")
-    select.add_argument("--k", type=float, default=None, help="heads per layer (default: half)")
-    select.add_argument("--order", choices=("high", "low"), default=None)
-    select.add_argument("--batches", type=int, default=2, help="calibration batches")
-    select.add_argument("--out", default=None, help="JSON file for the selection")
-
-    train = verbs.add_parser("train", help="train Dex with the diffattn trainer")
-    _add_common(train)
-    train.add_argument("--out", required=True, help="run directory")
-    train.add_argument(
-        "--heads", default="entropy", help="entropy (default), importance, all, or a JSON file"
-    )
-    train.add_argument("--steps", type=int, default=100, help="optimizer steps")
-    train.add_argument("--lambda-init", default="exp", help="exp (default) or a number")
-    train.add_argument("--anneal-steps", type=int, default=None, help="T of Eq.4 (default half)")
-    train.add_argument("--resume", action="store_true", help="continue the run in --out")
-    train.add_argument(
-        "--overwrite", action="store_true", help="replace a non-empty --out (another run)"
-    )
-
-    merge = verbs.add_parser("merge", help="fold a trained adapter into W_O, save a plain model")
-    merge.add_argument("adapter", help="adapter directory or dex train run directory")
-    merge.add_argument("model", help="the pretrained model the adapter was trained on")
-    merge.add_argument("--out", required=True, help="output model directory (absent or empty)")
-    merge.add_argument(
-        "--overwrite", action="store_true", help="replace a non-empty --out as a whole"
-    )
-
-    compare = verbs.add_parser("compare", help="Dex vs LoRA-8/32 vs full fine-tuning")
-    _add_common(compare)
-    compare.add_argument("--out", default="runs/dex-compare", help="output directory")
-    compare.add_argument(
-        "--steps", type=int, default=None, help="optimizer steps per method (default 200)"
-    )
-    compare.add_argument(
-        "--methods",
-        nargs="+",
-        default=None,
-        help="subset of dex lora8 lora32 ft (default: all)",
-    )
-    compare.add_argument(
-        "--recipe",
-        default=None,
-        help="YAML with steps, methods, set and benchmarks (mc, needle, icl on every model), "
-        "e.g. configs/dex/smollm2.yaml; --steps, --methods and --set override it",
-    )
-    compare.add_argument(
-        "--overwrite", action="store_true", help="replace a non-empty --out as a whole"
-    )
-
-
-def _k(value: float | None) -> int | float | None:
-    if value is None:
-        return None
-    return int(value) if float(value).is_integer() and value >= 1 else float(value)
+    for verb, (settings, help_text) in VERBS.items():
+        settings.add_arguments(verbs.add_parser(verb, help=help_text))
 
 
 def run(args: argparse.Namespace) -> int:
     """Run one ``dex`` sub-verb; invalid settings raise ValueError (exit code 2)."""
     from diffattn.train import TrainingDiverged
 
+    settings = VERBS[args.dex_verb][0].from_args(args)
+    command = {"select": select, "train": train, "merge": merge, "compare": compare}
     try:
-        return _run(args)
+        return command[args.dex_verb](settings)
     except TrainingDiverged as error:
         print(f"diffattn dex {args.dex_verb}: error: {error}", file=sys.stderr)
         return 1
 
 
-def _run(args: argparse.Namespace) -> int:
+def select(settings: SelectSettings) -> int:
+    """``dex select``: score and select the heads, print them and save them to ``out``."""
     from diffattn.dex import train as dex_train
 
-    if args.dex_verb == "select":
-        selection = dex_train.select_run(
-            args.model,
-            args.method,
-            _k(args.k),
-            args.order,
-            args.out,
-            args.overrides,
-            batches=args.batches,
-            progress=not args.quiet,
+    selection = dex_train.select_run(
+        settings.model,
+        settings.method,
+        settings.k,
+        settings.order,
+        settings.out,
+        settings.overrides,
+        batches=settings.batches,
+        progress=not settings.quiet,
+    )
+    print(selection.format_table())
+    if settings.out:
+        print(f"saved: {settings.out}")
+    return 0
+
+
+def train(settings: TrainSettings) -> int:
+    """``dex train``: train Dex, print the heads, the λs and the held-out loss."""
+    from diffattn.dex import train as dex_train
+
+    result = dex_train.train_dex(
+        dex_train.DexTrainOptions(
+            model=settings.model,
+            out=settings.out,
+            heads=settings.heads,
+            steps=settings.steps,
+            lambda_init=settings.lambda_init,
+            anneal_steps=settings.anneal_steps,
+            overrides=list(settings.overrides),
+            resume=settings.resume,
+            progress=not settings.quiet,
+            overwrite=settings.overwrite,
         )
-        print(selection.format_table())
-        if args.out:
-            print(f"saved: {args.out}")
-        return 0
-    if args.dex_verb == "train":
-        result = dex_train.train_dex(
-            dex_train.DexTrainOptions(
-                model=args.model,
-                out=args.out,
-                heads=args.heads,
-                steps=args.steps,
-                lambda_init=args.lambda_init,
-                anneal_steps=args.anneal_steps,
-                overrides=list(args.overrides),
-                resume=args.resume,
-                progress=not args.quiet,
-                overwrite=args.overwrite,
-            )
-        )
-        print(result.heads.format_table())
-        print(dex_train.format_lambdas(result.lambdas))
-        print(
-            f"held-out loss: before {result.loss_before:.4f}, after {result.loss_after:.4f} "
-            f"({result.step} steps, {result.elapsed_s:.1f} s, "
-            f"{result.trainable_parameters:,} of {result.parameters:,} parameters trained)"
-        )
-        print(f"adapter: {result.adapter}\ncheckpoint: {result.checkpoint}")
-        return 0
-    if args.dex_verb == "merge":
-        out = dex_train.merge_run(args.adapter, args.model, args.out, overwrite=args.overwrite)
-        print(f"merged model: {out}")
-        return 0
+    )
+    print(result.heads.format_table())
+    print(dex_train.format_lambdas(result.lambdas))
+    print(
+        f"held-out loss: before {result.loss_before:.4f}, after {result.loss_after:.4f} "
+        f"({result.step} steps, {result.elapsed_s:.1f} s, "
+        f"{result.trainable_parameters:,} of {result.parameters:,} parameters trained)"
+    )
+    print(f"adapter: {result.adapter}\ncheckpoint: {result.checkpoint}")
+    return 0
+
+
+def merge(settings: MergeSettings) -> int:
+    """``dex merge``: fold the adapter into W_O and save a plain model to ``out``."""
+    from diffattn.dex import train as dex_train
+
+    out = dex_train.merge_run(
+        settings.adapter, settings.model, settings.out, overwrite=settings.overwrite
+    )
+    print(f"merged model: {out}")
+    return 0
+
+
+def compare(settings: CompareSettings) -> int:
+    """``dex compare``: Dex, LoRA and full fine-tuning on the same data; the recipe's
+    ``steps``, ``methods`` and ``set`` apply where the command line gives none."""
     from diffattn.dex_compare import compare_methods, load_recipe
 
-    recipe = load_recipe(args.recipe) if args.recipe else {"set": [], "benchmarks": None}
+    recipe = load_recipe(settings.recipe) if settings.recipe else {"set": [], "benchmarks": None}
     benchmarks = recipe["benchmarks"]
     if benchmarks is not None:
-        benchmarks.quiet = args.quiet
+        benchmarks.quiet = settings.quiet
+    steps = settings.steps
+    if steps is None:
+        steps = recipe.get("steps") or COMPARE_STEPS
     compare_methods(
-        args.model,
-        args.out,
-        args.steps if args.steps is not None else recipe.get("steps") or 200,
-        overrides=[*recipe["set"], *args.overrides],
-        methods=args.methods or recipe.get("methods"),
-        progress=not args.quiet,
-        overwrite=args.overwrite,
+        settings.model,
+        settings.out,
+        steps,
+        overrides=[*recipe["set"], *settings.overrides],
+        methods=settings.methods or recipe.get("methods"),
+        progress=not settings.quiet,
+        overwrite=settings.overwrite,
         benchmarks=benchmarks,
     )
     return 0
