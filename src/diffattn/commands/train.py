@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from diffattn.train.cli import DESCRIPTION, add_arguments, run
+from diffattn.train.cli import DESCRIPTION, TrainSettings, add_arguments, run, run_settings
 
-__all__ = ["DESCRIPTION", "add_arguments", "run"]
+__all__ = ["DESCRIPTION", "TrainSettings", "add_arguments", "run", "run_settings"]

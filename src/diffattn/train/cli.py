@@ -12,9 +12,14 @@ run after saving a checkpoint.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
+
+from diffattn.settings import Settings, setting
 
 DESCRIPTION = (
     "Train a baseline, DIFF V1 or DIFF V2 language model from a YAML recipe; runs in one "
@@ -22,63 +27,21 @@ DESCRIPTION = (
 )
 
 
+def recipe_overrides(help_text: str) -> Any:
+    """The repeatable ``--set KEY=VALUE`` recipe override, as the setting ``overrides:
+    Sequence[str]`` of a command's settings class (collected in ``args.overrides``)."""
+    return setting((), flag="--set", action="append", metavar="KEY=VALUE", help=help_text)
+
+
 def add_set_option(parser: argparse.ArgumentParser, help_text: str) -> None:
-    """The repeatable ``--set KEY=VALUE`` recipe override (collected in ``args.overrides``)."""
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=help_text,
+    """Add the ``--set`` option of :func:`recipe_overrides` to ``parser`` alone."""
+    options = dataclasses.make_dataclass(
+        "SetOption",
+        [("overrides", Sequence[str], recipe_overrides(help_text))],
+        bases=(Settings,),
+        frozen=True,
     )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the options of ``diffattn train`` to ``parser``."""
-    parser.add_argument(
-        "config",
-        help="YAML recipe: a path (configs/tiny.yaml) or the name of a shipped one (tiny, "
-        "paper-3b, compare-100m, ...)",
-    )
-    parser.add_argument("--steps", type=int, help="optimizer steps to reach (sets steps)")
-    parser.add_argument("--out", help="run directory (default: runs/<recipe name>)")
-    parser.add_argument(
-        "--resume",
-        nargs="?",
-        const=True,
-        default=False,
-        type=_resume_step,
-        metavar="STEP",
-        help="continue from the newest checkpoint in --out, or from the checkpoint of STEP "
-        "(the newer ones are moved to OUT/superseded/, not deleted)",
-    )
-    parser.add_argument(
-        "--resume-fallback",
-        action="store_true",
-        help="like --resume, but when the newest checkpoint is cut off or unreadable, "
-        "continue from the newest valid one (says which, and what was skipped)",
-    )
-    parser.add_argument(
-        "--auto-resume",
-        action="store_true",
-        help="resume when --out holds a checkpoint, else start fresh: one command line for "
-        "first launch and restarts (torchrun --max-restarts)",
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a non-empty --out that holds another run (nothing of it is kept)",
-    )
-    add_set_option(
-        parser,
-        "override a recipe entry, value parsed as YAML (e.g. --set optim.lr=3e-4 "
-        "--set model.attention=diff_v1); repeatable",
-    )
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help="sets device")
-    parser.add_argument(
-        "--quiet", action="store_true", help="no progress bar or messages (errors still shown)"
-    )
+    options.add_arguments(parser)
 
 
 def _resume_step(text: str) -> int:
@@ -90,6 +53,52 @@ def _resume_step(text: str) -> int:
     return int(text)
 
 
+@dataclass(frozen=True)
+class TrainSettings(Settings):
+    """The options of ``diffattn train``, each declared once."""
+
+    config: str = setting(
+        positional=True,
+        help="YAML recipe: a path (configs/tiny.yaml) or the name of a shipped one (tiny, "
+        "paper-3b, compare-100m, ...)",
+    )
+    steps: int | None = setting(None, help="optimizer steps to reach (sets steps)")
+    out: str | None = setting(None, help="run directory (default: runs/<recipe name>)")
+    resume: int | bool = setting(
+        False,
+        nargs="?",
+        const=True,
+        type=_resume_step,
+        metavar="STEP",
+        help="continue from the newest checkpoint in --out, or from the checkpoint of STEP "
+        "(the newer ones are moved to OUT/superseded/, not deleted)",
+    )
+    """``False``: a fresh run; ``True``: from the newest checkpoint; a step: from that one."""
+    resume_fallback: bool = setting(
+        False,
+        help="like --resume, but when the newest checkpoint is cut off or unreadable, "
+        "continue from the newest valid one (says which, and what was skipped)",
+    )
+    auto_resume: bool = setting(
+        False,
+        help="resume when --out holds a checkpoint, else start fresh: one command line for "
+        "first launch and restarts (torchrun --max-restarts)",
+    )
+    overwrite: bool = setting(
+        False, help="replace a non-empty --out that holds another run (nothing of it is kept)"
+    )
+    overrides: Sequence[str] = recipe_overrides(
+        "override a recipe entry, value parsed as YAML (e.g. --set optim.lr=3e-4 "
+        "--set model.attention=diff_v1); repeatable"
+    )
+    device: Literal["auto", "cpu", "cuda"] | None = setting(None, help="sets device")
+    quiet: bool = setting(False, help="no progress bar or messages (errors still shown)")
+
+
+add_arguments = TrainSettings.add_arguments
+"""Add the options of ``diffattn train`` to a parser."""
+
+
 def _has_checkpoint(out: Path) -> bool:
     """Whether ``out`` holds a checkpoint to resume from (every rank sees the same answer:
     nothing is written before the run's plan is made)."""
@@ -99,28 +108,37 @@ def _has_checkpoint(out: Path) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``diffattn train``; returns the exit code."""
+    """Run ``diffattn train`` on a parsed command line; returns the exit code."""
+    return run_settings(TrainSettings.from_args(args))
+
+
+def run_settings(settings: TrainSettings) -> int:
+    """Run ``diffattn train`` with ``settings``; returns the exit code."""
     from diffattn.recipes import resolve_recipe
     from diffattn.train import ConfigError, TrainingDiverged, load_config, shutdown, train
 
     def error(message: str) -> None:
         print(f"diffattn train: error: {message}", file=sys.stderr, flush=True)
 
-    overrides = list(args.overrides)
-    if args.steps is not None:
-        overrides.append(f"steps={args.steps}")
-    if args.device is not None:
-        overrides.append(f"device={args.device}")
+    overrides = list(settings.overrides)
+    if settings.steps is not None:
+        overrides.append(f"steps={settings.steps}")
+    if settings.device is not None:
+        overrides.append(f"device={settings.device}")
     try:
-        recipe = resolve_recipe(args.config)
+        recipe = resolve_recipe(settings.config)
     except FileNotFoundError as missing:
         error(f"config: {missing}")
         return 2
-    out = Path(args.out) if args.out else Path("runs") / recipe.stem
-    if args.resume is not False and args.resume is not True and args.resume_fallback:
+    out = Path(settings.out) if settings.out else Path("runs") / recipe.stem
+    if settings.resume is not False and settings.resume is not True and settings.resume_fallback:
         error("--resume STEP names one checkpoint; --resume-fallback chooses among the newest")
         return 2
-    resume = args.resume or args.resume_fallback or (args.auto_resume and _has_checkpoint(out))
+    resume = (
+        settings.resume
+        or settings.resume_fallback
+        or (settings.auto_resume and _has_checkpoint(out))
+    )
     finished = False
     try:
         config = load_config(recipe, overrides)
@@ -128,9 +146,9 @@ def run(args: argparse.Namespace) -> int:
             config,
             out,
             resume=resume,
-            progress=not args.quiet,
-            overwrite=args.overwrite,
-            resume_fallback=args.resume_fallback,
+            progress=not settings.quiet,
+            overwrite=settings.overwrite,
+            resume_fallback=settings.resume_fallback,
         )
         finished = True
     except ConfigError as exc:
@@ -143,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         # every rank gets here together only after a run that finished; on an error a peer
         # may be blocked in another collective, so nothing may wait for it
         shutdown(wait=finished)
-    if not args.quiet and _is_main():
+    if not settings.quiet and _is_main():
         print(
             f"diffattn train: step {result.step}, loss {result.final.get('loss', float('nan')):.4f}"
             + (f", val_loss {result.final['val_loss']:.4f}" if "val_loss" in result.final else "")
