@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from diffattn.train.cli import add_set_option
+from diffattn.scaling.plan import ATTENTIONS, AXES, COUNTS
+from diffattn.settings import Settings, setting
+from diffattn.train.cli import recipe_overrides
 
 DESCRIPTION = (
     "Train the Transformer baseline and DIFF at several model sizes (--axis params, DIFF V1 "
@@ -17,89 +21,89 @@ DESCRIPTION = (
 )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``scaling`` verb's arguments to ``parser``."""
-    from diffattn.scaling import ATTENTIONS, AXES, COUNTS
+@dataclass(frozen=True)
+class ScalingSettings(Settings):
+    """The options of ``diffattn scaling``, each declared once."""
 
-    parser.add_argument("--out", default="runs/scaling", help="output directory")
-    parser.add_argument(
-        "--config", default=None, help="a YAML recipe (default: the embedded scaling recipe)"
-    )
-    parser.add_argument("--axis", choices=AXES, default="params", help="x of the fit")
-    parser.add_argument("--sizes", nargs="+", default=[], help="model sizes (--axis params)")
-    parser.add_argument(
-        "--tokens", nargs="+", type=int, default=[], help="token counts (--axis tokens)"
-    )
-    parser.add_argument(
-        "--attention",
-        nargs="+",
-        default=list(ATTENTIONS),
+    out: str = setting("runs/scaling", help="output directory")
+    config: str | None = setting(None, help="a YAML recipe (default: the embedded scaling recipe)")
+    axis: str = setting("params", choices=AXES, help="x of the fit")
+    sizes: tuple[str, ...] = setting((), help="model sizes (--axis params)")
+    tokens: tuple[int, ...] = setting((), help="token counts (--axis tokens)")
+    attention: tuple[str, ...] = setting(
+        ATTENTIONS,
         choices=ATTENTIONS,
         help="attention types (baseline and at least one DIFF type; default: all three)",
     )
-    parser.add_argument(
-        "--count",
+    count: str = setting(
+        "non_embedding",
         choices=COUNTS,
-        default="non_embedding",
         help="N is the non-embedding (Kaplan et al., default) or the total parameter count",
     )
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
-    parser.add_argument("--device", default=None, help="auto, cpu or cuda")
-    add_set_option(parser, "override a recipe value, e.g. --set optim.lr=1e-3 (repeatable)")
-    parser.add_argument(
-        "--from-results",
-        nargs="+",
-        default=None,
+    steps: int | None = setting(None, help="optimizer steps per run")
+    device: str | None = setting(None, help="auto, cpu or cuda")
+    overrides: Sequence[str] = recipe_overrides(
+        "override a recipe value, e.g. --set optim.lr=1e-3 (repeatable)"
+    )
+    from_results: tuple[str, ...] | None = setting(
+        None,
         metavar="PATH",
         help="fit these run directories or .json/.csv files of (attention, x, loss) "
         "instead of training",
     )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace an OUT holding a different sweep"
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    overwrite: bool = setting(False, help="replace an OUT holding a different sweep")
+    quiet: bool = setting(False, help="no progress output")
+
+
+add_arguments = ScalingSettings.add_arguments
+"""Add the ``scaling`` verb's arguments to a parser."""
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the sweep (or the fit alone) of a parsed command line."""
+    return run_settings(ScalingSettings.from_args(args))
+
+
+def run_settings(settings: ScalingSettings) -> int:
     """Run the sweep (or the fit alone); invalid settings raise ValueError before any work."""
     from diffattn.scaling import ScalingOptions, fit_results, run_scaling
 
-    if args.from_results is not None:
+    if settings.from_results is not None:
         training = [
             name
             for name, given in (
-                ("--sizes", args.sizes),
-                ("--tokens", args.tokens),
-                ("--set", args.overrides),
-                ("--steps", args.steps is not None),
-                ("--config", args.config is not None),
+                ("--sizes", settings.sizes),
+                ("--tokens", settings.tokens),
+                ("--set", settings.overrides),
+                ("--steps", settings.steps is not None),
+                ("--config", settings.config is not None),
             )
             if given
         ]
         if training:
             raise ValueError(f"--from-results trains nothing; drop {', '.join(training)}")
         fit_results(
-            args.from_results,
-            args.out,
-            axis=args.axis,
-            count=args.count,
-            attentions=tuple(args.attention),
-            progress=not args.quiet,
+            settings.from_results,
+            settings.out,
+            axis=settings.axis,
+            count=settings.count,
+            attentions=tuple(settings.attention),
+            progress=not settings.quiet,
         )
         return 0
     options = ScalingOptions(
-        out=args.out,
-        config=args.config,
-        axis=args.axis,
-        sizes=tuple(args.sizes),
-        tokens=tuple(args.tokens),
-        attentions=tuple(args.attention),
-        overrides=list(args.overrides),
-        steps=args.steps,
-        device=args.device,
-        count=args.count,
-        overwrite=args.overwrite,
-        progress=not args.quiet,
+        out=settings.out,
+        config=settings.config,
+        axis=settings.axis,
+        sizes=tuple(settings.sizes),
+        tokens=tuple(settings.tokens),
+        attentions=tuple(settings.attention),
+        overrides=list(settings.overrides),
+        steps=settings.steps,
+        device=settings.device,
+        count=settings.count,
+        overwrite=settings.overwrite,
+        progress=not settings.quiet,
     )
     run_scaling(options)
     return 0
