@@ -11,6 +11,9 @@ The continued training itself is ``diffattn train`` with the recipe
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+
+from diffattn.settings import Settings, setting
 
 DESCRIPTION = (
     "Context extension as in DIFF V1 §3.3. `upsample`: per-source length upsampling of a "
@@ -20,48 +23,50 @@ DESCRIPTION = (
 )
 
 
+@dataclass(frozen=True, kw_only=True)
+class UpsampleSettings(Settings):
+    """The options of ``diffattn long-context upsample``, each declared once."""
+
+    data: tuple[str, ...] = setting(("stdlib",), help="data specs, one per source")
+    tokenizer: str = setting(
+        required=True,
+        help="the model's tokenizer: a model or checkpoint directory, hf:DIR or tiktoken:NAME",
+    )
+    target_len: int = setting(required=True, help="training length (tokens)")
+    threshold: int | None = setting(
+        None, help="documents of at least this many tokens are long (default: target-len / 4)"
+    )
+    long_share: float = setting(
+        0.5, help="share of each source's tokens from long documents (default {default})"
+    )
+    budget: int | None = setting(None, help="tokens to write (default: the corpus size)")
+    seed: int = setting(0)
+    max_bytes: int | None = setting(None, help="cap on the text read from each source")
+    out: str = setting("runs/long-context/data", help="output directory")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WidenSettings(Settings):
+    """The options of ``diffattn long-context widen``, each declared once."""
+
+    model: str = setting(positional=True, help="a diffattn model directory (e.g. a checkpoint)")
+    max_seq_len: int = setting(required=True)
+    rope_theta: float | None = setting(None, help="default: unchanged")
+    out: str = setting(required=True, help="the new model directory")
+    overwrite: bool = setting(False)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``long-context`` verb's actions to ``parser``."""
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     up = actions.add_parser(
         "upsample", help="length-upsample a corpus (per source, Fu et al. 2024)"
     )
-    up.add_argument("--data", nargs="+", default=["stdlib"], help="data specs, one per source")
-    up.add_argument(
-        "--tokenizer",
-        required=True,
-        help="the model's tokenizer: a model or checkpoint directory, hf:DIR or tiktoken:NAME",
-    )
-    up.add_argument("--target-len", type=int, required=True, help="training length (tokens)")
-    up.add_argument(
-        "--threshold",
-        type=int,
-        default=None,
-        help="documents of at least this many tokens are long (default: target-len / 4)",
-    )
-    up.add_argument(
-        "--long-share",
-        type=float,
-        default=0.5,
-        help="share of each source's tokens from long documents (default 0.5)",
-    )
-    up.add_argument(
-        "--budget", type=int, default=None, help="tokens to write (default: the corpus size)"
-    )
-    up.add_argument("--seed", type=int, default=0)
-    up.add_argument(
-        "--max-bytes", type=int, default=None, help="cap on the text read from each source"
-    )
-    up.add_argument("--out", default="runs/long-context/data", help="output directory")
-
+    UpsampleSettings.add_arguments(up)
     widen = actions.add_parser(
         "widen", help="copy a model with a larger max_seq_len (and RoPE θ), same weights"
     )
-    widen.add_argument("model", help="a diffattn model directory (e.g. a checkpoint)")
-    widen.add_argument("--max-seq-len", type=int, required=True)
-    widen.add_argument("--rope-theta", type=float, default=None, help="default: unchanged")
-    widen.add_argument("--out", required=True, help="the new model directory")
-    widen.add_argument("--overwrite", action="store_true")
+    WidenSettings.add_arguments(widen)
 
 
 def _tokenizer(spec: str):
@@ -74,19 +79,19 @@ def _tokenizer(spec: str):
     return load_tokenizer(spec)
 
 
-def _upsample(args: argparse.Namespace) -> int:
+def _upsample(settings: UpsampleSettings) -> int:
     from diffattn.data.upsample import upsample_corpus
 
     result = upsample_corpus(
-        args.data,
-        _tokenizer(args.tokenizer),
-        args.out,
-        target_len=args.target_len,
-        threshold=args.threshold,
-        long_share=args.long_share,
-        budget=args.budget,
-        seed=args.seed,
-        max_bytes=args.max_bytes,
+        settings.data,
+        _tokenizer(settings.tokenizer),
+        settings.out,
+        target_len=settings.target_len,
+        threshold=settings.threshold,
+        long_share=settings.long_share,
+        budget=settings.budget,
+        seed=settings.seed,
+        max_bytes=settings.max_bytes,
     )
     print(f"{'':24} {'before':>10} {'after':>10}")
     rows = (
@@ -108,7 +113,7 @@ def _upsample(args: argparse.Namespace) -> int:
     return 0
 
 
-def _widen(args: argparse.Namespace) -> int:
+def _widen(settings: WidenSettings) -> int:
     import dataclasses
     import json
     import shutil
@@ -123,18 +128,18 @@ def _widen(args: argparse.Namespace) -> int:
     )
     from diffattn.fileio import atomic_directory, check_output_directory, copy_tokenizer_files
 
-    source, out = Path(args.model), Path(args.out)
+    source, out = Path(settings.model), Path(settings.out)
     config = read_config(source)
-    if args.max_seq_len < config.max_seq_len:
+    if settings.max_seq_len < config.max_seq_len:
         raise ValueError(
-            f"--max-seq-len {args.max_seq_len} is below the model's {config.max_seq_len}"
+            f"--max-seq-len {settings.max_seq_len} is below the model's {config.max_seq_len}"
         )
-    changes: dict = {"max_seq_len": args.max_seq_len}
-    if args.rope_theta is not None:
-        changes["rope_theta"] = args.rope_theta
+    changes: dict = {"max_seq_len": settings.max_seq_len}
+    if settings.rope_theta is not None:
+        changes["rope_theta"] = settings.rope_theta
     widened = dataclasses.replace(config, **changes)  # validated on construction
     files = weight_files(source)
-    check_output_directory(out, args.overwrite, option="--out", hint="pass --overwrite")
+    check_output_directory(out, settings.overwrite, option="--out", hint="pass --overwrite")
     with atomic_directory(out, overwrite=True) as tmp:
         for path in [*files, source / WEIGHTS_INDEX_NAME]:
             if path.is_file():
@@ -150,4 +155,6 @@ def _widen(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    return _upsample(args) if args.action == "upsample" else _widen(args)
+    if args.action == "upsample":
+        return _upsample(UpsampleSettings.from_args(args))
+    return _widen(WidenSettings.from_args(args))
