@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
+
+from diffattn.settings import Settings, setting
 
 DESCRIPTION = (
     "Convert weights exactly between Hugging Face LlamaForCausalLM / DiffLlamaForCausalLM "
@@ -15,47 +18,70 @@ DESCRIPTION = (
 )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``convert`` verb's arguments to ``parser``."""
+def _targets() -> tuple[str, ...]:
     from diffattn.convert import TARGETS
 
-    parser.description = parser.description or DESCRIPTION
-    parser.add_argument(
-        "src",
+    return TARGETS
+
+
+def _dtypes() -> tuple[str, ...]:
+    from diffattn.convert.common import DTYPES
+
+    return tuple(DTYPES)
+
+
+@dataclass(frozen=True)
+class ConvertSettings(Settings):
+    """The arguments of ``diffattn convert``, each declared once."""
+
+    src: str = setting(
+        positional=True,
         metavar="SRC",
         help="HF Llama/DiffLlama directory, diffattn directory, .gguf file, or 'smollm2'",
     )
-    parser.add_argument("out", metavar="OUT", help="output directory (written atomically)")
-    parser.add_argument(
-        "--to",
-        choices=TARGETS,
-        default=None,
+    out: str = setting(positional=True, metavar="OUT", help="output directory (written atomically)")
+    to: str | None = setting(
+        None,
+        choices=_targets,
         help="output kind: hf-llama (diffattn baseline or GGUF -> HF Llama), hf-diffllama "
         "(diffattn DIFF V1 -> HF DiffLlama), hub (any diffattn model -> a directory with remote "
         "code that loads with trust_remote_code=True without diffattn); default diffattn for HF "
         "and GGUF sources",
     )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace OUT if it exists and is not empty"
+    overwrite: bool = setting(False, help="replace OUT if it exists and is not empty")
+    dtype: str | None = setting(
+        None, choices=_dtypes, help="cast floating tensors (default: keep the stored dtypes)"
     )
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default=None,
-        help="cast floating tensors (default: keep the stored dtypes)",
-    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``convert`` verb's arguments to ``parser``."""
+    parser.description = parser.description or DESCRIPTION
+    ConvertSettings.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run one conversion of a parsed command line; print what was written. Returns the exit
+    status."""
+    return run_settings(ConvertSettings.from_args(args))
+
+
+def run_settings(settings: ConvertSettings) -> int:
     """Run one conversion; print what was written. Returns the exit status."""
     from diffattn.convert import convert, default_target, detect_source
 
     try:
-        kind = detect_source(args.src)
-        out = convert(args.src, args.out, to=args.to, overwrite=args.overwrite, dtype=args.dtype)
+        kind = detect_source(settings.src)
+        out = convert(
+            settings.src,
+            settings.out,
+            to=settings.to,
+            overwrite=settings.overwrite,
+            dtype=settings.dtype,
+        )
     except ImportError as error:
         print(f"diffattn convert: error: {error}", file=sys.stderr)
         return 2
-    target = args.to or default_target(kind)
-    print(f"converted {kind} {args.src} -> {target} {out}")
+    target = settings.to or default_target(kind)
+    print(f"converted {kind} {settings.src} -> {target} {out}")
     return 0
