@@ -6,9 +6,8 @@ safetensors and theirs), read from the installed metadata. There, ``diffattn --h
 ``diffattn COMMAND --help``, ``diffattn backends`` and ``diffattn presets`` work; a verb whose
 run needs an extra prints one line naming it and exits with 2.
 
-A verb whose *arguments* need an extra here is listed with a stand-in (its ``--help`` says what
-to install). :data:`STAND_INS` are those that are known, each with what keeps its arguments
-from the core install; every other verb must define all its options there.
+Every verb defines all its options there, as the full install does (a verb whose arguments
+failed to import would be listed with a stand-in whose ``--help`` names the extra: none may).
 """
 
 from __future__ import annotations
@@ -29,15 +28,6 @@ from extras import declared_extras as pyproject_extras
 from test_cli_surface import SURFACE
 
 pytestmark = pytest.mark.extra("train")  # SURFACE: the full install's options, to compare
-
-STAND_INS = {
-    "diffattn compare": "diffattn.train.cli (add_set_option) imports diffattn.train: numpy",
-    "diffattn dex": "diffattn.train.cli (add_set_option) imports diffattn.train: numpy",
-    "diffattn scaling": "diffattn.train.cli and diffattn.scaling (its fit) import numpy",
-    "diffattn train": "diffattn.train.cli's package diffattn.train imports numpy and yaml",
-    "diffattn eval needle": "diffattn.eval.needle imports diffattn.data, which imports numpy",
-}
-"""Commands listed with a stand-in on the core install, and why their arguments need more."""
 
 PASSED_ON = {"diffattn lm-eval": "the harness prints its own help; without it, one line, 2"}
 """Commands whose ``--help`` is not diffattn's to print."""
@@ -174,20 +164,10 @@ def test_every_command_has_help(core, command):
         assert code == 2 and len(err.splitlines()) == 1 and "pip install" in err
         return
     assert (code, err) == (0, "")
-    stand_in = next((s for s in STAND_INS if f"{command} ".startswith(f"{s} ")), None)
-    if stand_in is not None:
-        assert re.search(r"Not available on this install: needs the '[\w-]+' extra", out), out
-        return
+    assert "Not available on this install" not in out, out
     options = set(re.findall(r"(?<![\w-])--?[\w][\w-]*", out))
     missing = [o for o in SURFACE[command]["options"] if o not in options]
     assert not missing, f"{command} --help on the core install lacks {missing}:\n{out}"
-
-
-@pytest.mark.parametrize("stand_in", list(STAND_INS))
-def test_stand_ins_are_still_needed(core, stand_in):
-    """When a stand-in's arguments import on the core install, delete it from STAND_INS."""
-    _, out, _ = core[f"{stand_in.removeprefix('diffattn ')} --help"]
-    assert "Not available on this install" in out, f"{stand_in} works now: delete its entry"
 
 
 def test_backends_and_presets_run(core):

@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "diffattn.fileio": 0,
     "diffattn.version": 0,
     "diffattn.settings": 0,
+    "diffattn.lazy_exports": 0,
     "diffattn.flops": 0,
     "diffattn.hardware": 0,
     # libraries

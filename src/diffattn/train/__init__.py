@@ -16,57 +16,37 @@ The same entry point runs as ``diffattn train CONFIG`` / ``python -m diffattn.tr
 and under ``torchrun``; see ``docs/training.md``.
 """
 
-from diffattn.train.config import (
-    ConfigError,
-    ModelSection,
-    OptimSection,
-    ScheduleSection,
-    TrainConfig,
-    apply_overrides,
-    check_runtime,
-    dump_config,
-    load_config,
-)
-from diffattn.train.distributed import DistEnv, read_env, shutdown
-from diffattn.train.metrics import read_metrics
-from diffattn.train.optim import LRSchedule, build_optimizer, parameter_groups
-from diffattn.train.parallel import build_model, parallelize
-from diffattn.train.trainer import (
-    Callback,
-    Evaluation,
-    StepState,
-    Trainer,
-    TrainingDiverged,
-    TrainResult,
-    evaluate,
-    train,
-)
+from diffattn.lazy_exports import lazy_exports
 
-__all__ = [
-    "Callback",
-    "ConfigError",
-    "DistEnv",
-    "Evaluation",
-    "LRSchedule",
-    "ModelSection",
-    "OptimSection",
-    "ScheduleSection",
-    "StepState",
-    "TrainConfig",
-    "TrainResult",
-    "Trainer",
-    "TrainingDiverged",
-    "apply_overrides",
-    "build_model",
-    "build_optimizer",
-    "check_runtime",
-    "dump_config",
-    "evaluate",
-    "load_config",
-    "parallelize",
-    "parameter_groups",
-    "read_env",
-    "read_metrics",
-    "shutdown",
-    "train",
-]
+_EXPORTS = {
+    "Callback": "trainer",
+    "ConfigError": "config",
+    "DistEnv": "distributed",
+    "Evaluation": "trainer",
+    "LRSchedule": "optim",
+    "ModelSection": "config",
+    "OptimSection": "config",
+    "ScheduleSection": "config",
+    "StepState": "trainer",
+    "TrainConfig": "config",
+    "TrainResult": "trainer",
+    "Trainer": "trainer",
+    "TrainingDiverged": "trainer",
+    "apply_overrides": "config",
+    "build_model": "parallel",
+    "build_optimizer": "optim",
+    "check_runtime": "config",
+    "dump_config": "config",
+    "evaluate": "trainer",
+    "load_config": "config",
+    "parallelize": "parallel",
+    "parameter_groups": "optim",
+    "read_env": "distributed",
+    "read_metrics": "metrics",
+    "shutdown": "distributed",
+    "train": "trainer",
+}
+"""Each public name and the submodule that defines it (imported on first use)."""
+
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
