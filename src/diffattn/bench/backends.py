@@ -44,7 +44,10 @@ from diffattn.attention.registry import backend_names, get_backend
 from diffattn.settings import Settings, setting
 
 HEAD_DIM = 64
+"""Width of the baseline's heads, in ``diffattn bench`` and here (DIFF V1 pairs them)."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The dtypes ``diffattn bench`` and ``diffattn backends`` run in, by option value."""
+DEVICES = ("cpu", "cuda")
 CASES = (
     "train",
     "prefill",
@@ -70,7 +73,7 @@ class BackendsSettings(Settings):
     """The settings of ``diffattn backends``, in the order ``--help`` lists them (``min``:
     each size's lower bound, checked in the order of :data:`BOUNDED`)."""
 
-    device: str = setting("cpu", choices=("cpu", "cuda"))
+    device: str = setting("cpu", choices=DEVICES)
     dtype: str = setting("all", choices=(*DTYPES, "all"), help="default: fp32 and bf16")
     time: bool = setting(False, help="time every candidate per case, interleaved")
     entries: str = setting(",".join(auto.ENTRIES), help="entry points to time")

@@ -16,15 +16,13 @@ import torch
 
 from diffattn.attention.kernels import resolve_backend
 from diffattn.attention.registry import backend_names
+from diffattn.bench.backends import DEVICES, DTYPES, HEAD_DIM, BackendsSettings
 from diffattn.bench.models import DEX_ROWS, hf_available
-from diffattn.settings import Settings, setting
+from diffattn.settings import Settings, like, setting
 
-HEAD_DIM = 64
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
 MODES = ("fwd", "fwd+bwd", "decode")
 MODE_CHOICES = (*MODES, "all")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DEVICES = ("cpu", "cuda")
 DEFAULT_SWEEP = {"cuda": (512, 1024, 2048, 4096, 8192), "cpu": (256, 512, 1024)}
 """Lengths ``--plot`` sweeps when ``--sweep`` is not given (CPU: affordable on a laptop)."""
 
@@ -88,7 +86,7 @@ class BenchSettings(Settings):
         help="measure fwd and fwd+bwd peak memory at this length (default --seq-len)",
     )
     # where and how the models run, the peak for MFU, and the output format
-    device: str = setting("cpu", choices=DEVICES)
+    device: str = like(BackendsSettings, "device")  # as diffattn backends
     dtype: str = setting("fp32", choices=tuple(DTYPES))
     backend: str = setting(
         "auto",
