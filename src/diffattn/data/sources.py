@@ -26,7 +26,6 @@ A text file is one document (``split="file"``), or one per blank-line separated 
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import glob
 import gzip
@@ -34,8 +33,7 @@ import hashlib
 import json
 import os
 import sys
-import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, get_args
@@ -44,6 +42,12 @@ from urllib.parse import parse_qsl
 from diffattn.data.stdlib import stdlib_files, stdlib_root
 from diffattn.data.synthetic import GENERATOR_VERSION as SYNTHETIC_GENERATOR_VERSION
 from diffattn.data.synthetic import is_synthetic_spec, parse_synthetic_spec, synthetic_documents
+from diffattn.data.text_decoding import (
+    TextError,
+    binary_error,
+    clean_text,
+    decode,
+)
 
 DocumentSplit = Literal["file", "paragraph", "line"]
 DOCUMENT_SPLITS: tuple[str, ...] = get_args(DocumentSplit)
@@ -68,7 +72,7 @@ SOURCE_FORMS = (
 
 
 # --------------------------------------------------------------------------------------------
-# statistics and UTF-8 decoding with counted replacements
+# statistics (the decoding is diffattn.data.text_decoding's)
 # --------------------------------------------------------------------------------------------
 @dataclass
 class SourceStats:
@@ -97,70 +101,6 @@ class SourceStats:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-_COUNT_ERRORS = "diffattn-count-replace"
-_counter = threading.local()
-
-
-def _count_and_replace(error: UnicodeError) -> tuple[str, int]:
-    if not isinstance(error, UnicodeDecodeError):
-        raise error
-    _counter.value = getattr(_counter, "value", 0) + (error.end - error.start)
-    return "\ufffd", error.end
-
-
-codecs.register_error(_COUNT_ERRORS, _count_and_replace)
-
-
-def decode_utf8(data: bytes) -> tuple[str, int]:
-    """Decode ``data`` as UTF-8, replacing invalid sequences; returns (text, bytes replaced)."""
-    try:
-        return data.decode("utf-8"), 0
-    except UnicodeDecodeError:
-        pass
-    _counter.value = 0
-    text = data.decode("utf-8", errors=_COUNT_ERRORS)
-    replaced, _counter.value = _counter.value, 0
-    return text, replaced
-
-
-class TextError(ValueError):
-    """Strict mode: a source holds binary data or bytes that are not valid UTF-8."""
-
-
-def _strict_decode(data: bytes, where: Callable[[int], str]) -> str:
-    """``data`` as UTF-8; invalid bytes raise :class:`TextError` at ``where(offset)``."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise TextError(
-            f"{where(error.start)}: not valid UTF-8 (byte 0x{data[error.start]:02x}); "
-            "refused in strict mode (without it, invalid bytes become U+FFFD and are counted)"
-        ) from None
-
-
-def _binary_error(where: str) -> TextError:
-    return TextError(
-        f"{where}: binary data (NUL byte); refused in strict mode "
-        "(without it, binary documents are skipped and counted)"
-    )
-
-
-def _decode(data: bytes, strict: bool, where: Callable[[int], str]) -> tuple[str, int]:
-    if strict:
-        return _strict_decode(data, where), 0
-    return decode_utf8(data)
-
-
-def _clean_text(text: str) -> tuple[str, int]:
-    """Replace lone surrogates (possible in JSON escapes) so the text encodes as UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        cleaned = text.encode("utf-8", errors="replace").decode("utf-8")
-        return cleaned, sum(1 for a, b in zip(text, cleaned, strict=True) if a != b)
-    return text, 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,7 +245,7 @@ class _Emitter:
     def binary(self, size: int, where: str) -> None:
         """Skip a binary document of ``size`` bytes (strict mode: raise at ``where``)."""
         if self.strict:
-            raise _binary_error(where)
+            raise binary_error(where)
         self.stats.binary_documents += 1
         self.stats.binary_bytes += size
         if not self.file_had_binary:
@@ -317,7 +257,7 @@ class _Emitter:
         if "\x00" in text:
             self.binary(len(text.encode("utf-8", errors="replace")), where)
             return None
-        text, more = _clean_text(text)
+        text, more = clean_text(text)
         if more and self.strict:
             raise TextError(
                 f"{where}: text holds {more} unpaired surrogate(s), which are not valid "
@@ -370,7 +310,7 @@ def read_text_file(
             if nul >= 0:
                 emit.binary(len(data), where(nul))
                 return
-            text, replaced = _decode(data, strict, where)
+            text, replaced = decode(data, strict, where)
             if text:
                 document = emit.document(text, replaced, where(0))
                 if document is not None:
@@ -389,7 +329,7 @@ def read_text_file(
         paragraph_start = offset = 0
         for raw in handle:
             start, offset = offset, offset + len(raw)
-            line, replaced = _decode(raw, strict, lambda i, start=start: where(start + i))
+            line, replaced = decode(raw, strict, lambda i, start=start: where(start + i))
             if split == "line":
                 line = line.rstrip("\r\n")
                 if line:
@@ -434,7 +374,7 @@ def read_jsonl_file(
     with _open_binary(path) as handle:
         for number, raw in enumerate(handle, start=1):
             start, offset = offset, offset + len(raw)
-            line, replaced = _decode(
+            line, replaced = decode(
                 raw,
                 strict,
                 lambda i, number=number, start=start: f"{path}:{number}: byte {start + i}",
@@ -468,7 +408,7 @@ def read_jsonl_file(
 def _row_text(value: bytes | str, strict: bool, where: str) -> tuple[str, int]:
     if isinstance(value, str):
         return value, 0
-    return _decode(bytes(value), strict, lambda i: f"{where}, byte {i}")
+    return decode(bytes(value), strict, lambda i: f"{where}, byte {i}")
 
 
 def read_parquet_file(
