@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from diffattn.loading import TextTokenizer
+from diffattn.settings import Settings, setting
 
 DESCRIPTION = (
     "Generate text with a diffattn model directory and the tokenizer saved beside it, "
@@ -31,86 +33,125 @@ DTYPES = ("float32", "bfloat16")
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``generate`` verb's arguments to ``parser``."""
-    from diffattn.config import BACKENDS
+def _cache_kinds() -> Sequence[str]:
     from diffattn.generation import CACHE_KINDS
+
+    return CACHE_KINDS
+
+
+def _compile_modes() -> Sequence[str]:
     from diffattn.model import COMPILE_MODES
 
-    parser.description = parser.description or DESCRIPTION
-    parser.add_argument(
-        "model_dir",
+    return [mode for mode in COMPILE_MODES if mode is not None]
+
+
+def _backends() -> Sequence[str]:
+    from diffattn.config import BACKENDS
+
+    return BACKENDS
+
+
+COMPILING = "compile"
+"""The group of ``--compile`` and ``--auto-compile`` (at most one of them)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateSettings(Settings):
+    """The settings of ``diffattn generate`` (and of :func:`generate_text`)."""
+
+    model_dir: str = setting(
+        positional=True,
+        flag="model_dir",
         metavar="MODEL_DIR",
         help="diffattn model directory, a diffattn train run (its final checkpoint, else its "
         "newest) or RUN@STEP, or any other model directory diffattn loads (Hugging Face "
         "Llama/Qwen2/Mistral, a Dex merge or adapter run), generated with transformers' generate",
     )
-    parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument(
-        "--tokenizer",
+    prompt: str = setting(required=True, help="text to continue")
+    tokenizer: str | None = setting(
+        None,
         metavar="DIR",
-        default=None,
         help="directory holding the tokenizer files (tokenizer.json and/or "
         "tokenizer_config.json), such as the tokenizer/ of a training run or of a prepared "
         "data directory (default: MODEL_DIR)",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="default: 64")
-    parser.add_argument(
-        "--temperature", type=float, default=1.0, help="0 means greedy (default: 1.0)"
+    max_new_tokens: int = setting(64, help="default: {default}")
+    temperature: float = setting(1.0, help="0 means greedy (default: {default})")
+    top_k: int | None = setting(None, help="keep the K most probable tokens")
+    top_p: float | None = setting(None, help="nucleus sampling: keep probability mass P")
+    seed: int | None = setting(None, help="seed of the sampling RNG")
+    device: str = setting(
+        "auto", help="torch device, or auto (default: CUDA when available, else the CPU)"
     )
-    parser.add_argument("--top-k", type=int, default=None, help="keep the K most probable tokens")
-    parser.add_argument(
-        "--top-p", type=float, default=None, help="nucleus sampling: keep probability mass P"
-    )
-    parser.add_argument("--seed", type=int, default=None, help="seed of the sampling RNG")
-    parser.add_argument(
-        "--device",
-        default="auto",
-        help="torch device, or auto (default: CUDA when available, else the CPU)",
-    )
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="default: float32")
-    parser.add_argument(
-        "--cache", choices=CACHE_KINDS, default="dynamic", help="KV cache kind (default: dynamic)"
-    )
-    compiling = parser.add_mutually_exclusive_group()
-    compiling.add_argument(
-        "--compile",
+    dtype: str = setting("float32", choices=DTYPES, help="default: {default}")
+    cache: str = setting("dynamic", choices=_cache_kinds, help="KV cache kind (default: {default})")
+    compile: str | bool = setting(  # False, True or "auto" (an option given a default: not bool)
+        False,
         action="store_const",
         const=True,
-        default=False,
+        group=COMPILING,
         help="compile the decode step with torch.compile (uses the static cache)",
     )
-    compiling.add_argument(
-        "--auto-compile",
+    auto_compile: bool = setting(
+        False,
         dest="compile",
         action="store_const",
         const="auto",
+        group=COMPILING,
+        parse=lambda compile: compile == "auto",
+        command_only=True,
         help="compile the decode step on CUDA only (static cache, CUDA graphs); decode "
         "eagerly elsewhere",
     )
-    parser.add_argument(
-        "--compile-mode",
-        choices=[mode for mode in COMPILE_MODES if mode is not None],
-        default=None,
+    """``--auto-compile``: the option that sets ``compile`` to ``"auto"``."""
+    compile_mode: str | None = setting(
+        None,
+        choices=_compile_modes,
         help="torch.compile mode of the decode step (default: reduce-overhead, i.e. CUDA "
         "graphs, on CUDA; the plain compile elsewhere)",
     )
-    parser.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default=None,
+    backend: str | None = setting(
+        None,
+        choices=_backends,
         help="attention backend (default: the one in config.json); 'reference' gives "
         "--compile a single graph",
     )
-    parser.add_argument(
-        "--no-echo", action="store_true", help="print only the continuation, not the prompt"
-    )
+    no_echo: bool = setting(False, help="print only the continuation, not the prompt")
+
+    @classmethod
+    def add_arguments(cls, parser: Any) -> None:
+        """The options, ``--compile`` and ``--auto-compile`` in a group that may also be left
+        out (:meth:`Settings.add_arguments` makes a ``group`` required)."""
+        super().add_arguments(_OptionalGroups(parser))
+
+
+class _OptionalGroups:
+    """``parser``, whose mutually exclusive groups are optional: at most one of their
+    options, none being fine."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+    def add_argument(self, *names: str, **options: Any) -> argparse.Action:
+        return self.parser.add_argument(*names, **options)
+
+    def add_mutually_exclusive_group(self, required: bool = False) -> Any:
+        return self.parser.add_mutually_exclusive_group()
+
+    def set_defaults(self, **defaults: Any) -> None:
+        self.parser.set_defaults(**defaults)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``generate`` verb's arguments to ``parser``."""
+    parser.description = parser.description or DESCRIPTION
+    GenerateSettings.add_arguments(parser)
 
 
 # ----------------------------------------------------------------------------------------
 # tokenizers
-def text_tokenizer(model_dir: str | Path, tokenizer_dir: str | Path | None = None) -> TextTokenizer:
-    """The tokenizer saved in ``tokenizer_dir`` (default: ``model_dir``), read by
+def text_tokenizer(model_dir: str | Path, tokenizer_dir: str | Path | None) -> TextTokenizer:
+    """The tokenizer saved in ``tokenizer_dir`` (``None``: in ``model_dir``), read by
     :func:`diffattn.loading.load_saved_tokenizer`. A missing or broken one is a one-line
     :class:`~diffattn.fileio.CheckpointError` naming the files looked for and how to add them."""
     from diffattn.fileio import CheckpointError
@@ -224,6 +265,11 @@ def _parse_device(name: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    """The command: :func:`generate_text` with the settings of the parsed command line."""
+    return generate_text(GenerateSettings.from_args(args))
+
+
+def generate_text(settings: GenerateSettings) -> int:
     """Load the model and tokenizer, then stream the continuation. Returns the exit status."""
     import torch
 
@@ -232,35 +278,35 @@ def run(args: argparse.Namespace) -> int:
     from diffattn.loading import training_run_checkpoint
 
     # a training run (its final, else newest checkpoint) or RUN@STEP: that checkpoint
-    model_dir = training_run_checkpoint(args.model_dir) or Path(args.model_dir)
+    model_dir = training_run_checkpoint(settings.model_dir) or Path(settings.model_dir)
     if not model_dir.exists():
         raise CheckpointError(f"{model_dir}: model directory not found")
-    device = _parse_device(args.device)
-    cache = "static" if args.compile is True else args.cache
+    device = _parse_device(settings.device)
+    cache = "static" if settings.compile is True else settings.cache
     config = GenerationConfig(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        top_k=settings.top_k,
+        top_p=settings.top_p,
+        seed=settings.seed,
         cache=cache,
-        compile=args.compile,
-        compile_mode=args.compile_mode,
+        compile=settings.compile,
+        compile_mode=settings.compile_mode,
     )  # validates the sampling options before anything is loaded
     from diffattn.loading import resolve_source
 
     source = resolve_source(model_dir)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.dtype]
     if source.kind != "diffattn":
-        return generate_with_transformers(args, source, device, dtype, config)
-    tokenizer = text_tokenizer(model_dir, args.tokenizer)
+        return generate_with_transformers(settings, source, device, dtype, config)
+    tokenizer = text_tokenizer(model_dir, settings.tokenizer)
     config = config.replace(eos_token_id=eos_token_ids(model_dir, tokenizer))
-    overrides = {"backend": args.backend} if args.backend else {}
+    overrides = {"backend": settings.backend} if settings.backend else {}
     model = load_model(model_dir, device=device, dtype=dtype, **overrides)
-    prompt_ids = tokenizer.encode(args.prompt, special=True)  # with BOS where it adds one
+    prompt_ids = tokenizer.encode(settings.prompt, special=True)  # with BOS where it adds one
     if not prompt_ids:
         raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
-    streamer = TextStreamer(tokenizer, prompt_ids, echo=not args.no_echo)
+    streamer = TextStreamer(tokenizer, prompt_ids, echo=not settings.no_echo)
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     generate(model, input_ids, config=config, streamer=streamer)
     sys.stdout.write("\n")
@@ -286,7 +332,9 @@ class _AfterThePrompt:
         self.streamer.end()
 
 
-def generate_with_transformers(args: argparse.Namespace, source: Any, device, dtype, config) -> int:
+def generate_with_transformers(
+    settings: GenerateSettings, source: Any, device, dtype, config
+) -> int:
     """A model diffattn loads that is not a diffattn directory (a Hugging Face Llama, Qwen2 or
     Mistral, a Dex merge or adapter, a directory holding a GGUF file): transformers'
     ``generate`` with this command's sampling settings only (not the model's
@@ -298,10 +346,10 @@ def generate_with_transformers(args: argparse.Namespace, source: Any, device, dt
     from diffattn.loading import load_model
 
     given = {
-        "--backend": args.backend is not None,
-        "--compile/--auto-compile": bool(args.compile),
-        "--compile-mode": args.compile_mode is not None,
-        "--cache static": args.cache == "static",
+        "--backend": settings.backend is not None,
+        "--compile/--auto-compile": bool(settings.compile),
+        "--compile-mode": settings.compile_mode is not None,
+        "--cache static": settings.cache == "static",
     }
     refused = [name for name, on in given.items() if on]
     if refused:
@@ -310,13 +358,13 @@ def generate_with_transformers(args: argparse.Namespace, source: Any, device, dt
             f"{source.kind} model, generated with transformers' generate"
         )
     directory = source.model_dir
-    tokenizer = text_tokenizer(directory, args.tokenizer)
+    tokenizer = text_tokenizer(directory, settings.tokenizer)
     eos = eos_token_ids(directory, tokenizer)
     model = load_model(source, device=device, dtype=dtype)
-    prompt_ids = tokenizer.encode(args.prompt, special=True)
+    prompt_ids = tokenizer.encode(settings.prompt, special=True)
     if not prompt_ids:
         raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
-    streamer = TextStreamer(tokenizer, prompt_ids, echo=not args.no_echo)
+    streamer = TextStreamer(tokenizer, prompt_ids, echo=not settings.no_echo)
     if config.seed is not None:
         torch.manual_seed(config.seed)
     sampling = {} if config.greedy else {
