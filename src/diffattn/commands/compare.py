@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from diffattn.train.cli import add_set_option
+from diffattn.compare import ATTENTIONS, PARTS
+from diffattn.compare.evaluate import EvalSettings
+from diffattn.settings import Settings, setting
+from diffattn.train.cli import recipe_overrides
 
 DESCRIPTION = (
     "Train a Transformer baseline, DIFF V1 and DIFF V2 at matched parameter count on the same "
@@ -18,112 +23,99 @@ DESCRIPTION = (
 )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``compare`` verb's arguments to ``parser``."""
-    from diffattn.compare import ATTENTIONS, PARTS
+@dataclass(frozen=True)
+class CompareSettings(Settings):
+    """The options of ``diffattn compare``; ``None`` keeps the recipe's value. The measurement
+    settings default to :class:`~diffattn.compare.evaluate.EvalSettings`' own."""
 
-    parser.add_argument("--out", default="runs/compare", help="output directory")
-    parser.add_argument(
-        "--part",
-        default="all",
+    out: str = setting("runs/compare", help="output directory")
+    part: str = setting(
+        "all",
         choices=PARTS,
         help="lm: language modelling; retrieval: the token-level retrieval experiment "
         "(scale it with --set retrieval.steps=..., retrieval.seeds=..., retrieval.grid=[...]); "
         "all: both (default)",
     )
-    parser.add_argument(
-        "--config", default=None, help="a YAML recipe (default: the embedded compare recipe)"
+    config: str | None = setting(None, help="a YAML recipe (default: the embedded compare recipe)")
+    steps: int | None = setting(
+        None, help="optimizer steps per language-modelling run (retrieval: --set retrieval.steps=N)"
     )
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="optimizer steps per language-modelling run (retrieval: --set retrieval.steps=N)",
+    preset: str | None = setting(None, help="model preset (see `diffattn presets`)")
+    seeds: int = setting(
+        3,
+        help="seeds per model in the language-modelling part (default {default}; verdicts need "
+        ">= 2; the retrieval part's: --set retrieval.seeds=N)",
     )
-    parser.add_argument("--preset", default=None, help="model preset (see `diffattn presets`)")
-    parser.add_argument(
-        "--seeds",
-        type=int,
-        default=3,
-        help="seeds per model in the language-modelling part (default 3; verdicts need >= 2; "
-        "the retrieval part's: --set retrieval.seeds=N)",
-    )
-    parser.add_argument(
-        "--jobs",
-        type=int,
-        default=None,
+    jobs: int | None = setting(
+        None,
         help="runs trained side by side (default: one per CPU core, one thread each; on CUDA one "
         "per visible device, each worker on its own device, at most devices × --jobs-per-device)",
     )
-    parser.add_argument(
-        "--jobs-per-device",
-        type=int,
-        default=1,
+    jobs_per_device: int = setting(
+        1,
         metavar="K",
-        help="CUDA only: let K runs share each device (default 1), so --jobs may reach devices × K",
+        help="CUDA only: let K runs share each device (default {default}), so --jobs may reach "
+        "devices × K",
     )
-    parser.add_argument(
-        "--no-eval",
-        dest="evaluate",
-        action="store_false",
+    evaluate: bool = setting(
+        True,
+        flag="--no-eval",
         help="train and report losses only: no measurements, no claims table",
     )
-    parser.add_argument(
-        "--needle-samples",
+    needle_samples: int = setting(
+        EvalSettings.needle_samples,
+        cli_default=None,
+        parse=int,
         type=int,
-        default=None,
-        help="needle prompts per (depth, N, R) cell (default 8)",
+        help="needle prompts per (depth, N, R) cell (default {default})",
     )
-    parser.add_argument(
-        "--eval-tokens",
-        type=int,
-        default=None,
+    eval_tokens: int | None = setting(
+        EvalSettings.max_tokens,
         help="held-out tokens for loss, outliers and quantization (default: the trainer's "
         "validation windows, eval_batches × eval_batch_size × seq_len)",
     )
-    parser.add_argument("--device", default=None, help="auto, cpu or cuda (both parts)")
-    parser.add_argument(
-        "--attention",
-        nargs="+",
-        default=list(ATTENTIONS),
-        choices=ATTENTIONS,
-        help="attention types to compare (default: all three)",
+    device: str | None = setting(None, help="auto, cpu or cuda (both parts)")
+    attention: tuple[str, ...] = setting(
+        ATTENTIONS, choices=ATTENTIONS, help="attention types to compare (default: all three)"
     )
-    add_set_option(parser, "override a recipe value, e.g. --set optim.lr=1e-3 (repeatable)")
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace an OUT holding a different comparison"
+    overrides: Sequence[str] = recipe_overrides(
+        "override a recipe value, e.g. --set optim.lr=1e-3 (repeatable)"
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    overwrite: bool = setting(False, help="replace an OUT holding a different comparison")
+    quiet: bool = setting(False, help="no progress output")
+
+    def eval_settings(self) -> EvalSettings:
+        """What is measured: :class:`EvalSettings` with ``--needle-samples`` and
+        ``--eval-tokens``."""
+        return EvalSettings(needle_samples=self.needle_samples, max_tokens=self.eval_tokens)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``compare`` verb's arguments to ``parser`` (:class:`CompareSettings`)."""
+    CompareSettings.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison; invalid settings raise ValueError (exit code 2) before any work."""
-    from dataclasses import replace
-
     from diffattn.compare import CompareOptions, run_compare
-    from diffattn.compare.evaluate import EvalSettings
 
-    settings = EvalSettings()
-    if args.needle_samples is not None:
-        settings = replace(settings, needle_samples=args.needle_samples)
-    if args.eval_tokens is not None:
-        settings = replace(settings, max_tokens=args.eval_tokens)
+    settings = CompareSettings.from_args(args)
     options = CompareOptions(
-        out=args.out,
-        config=args.config,
-        overrides=list(args.overrides),
-        attentions=tuple(args.attention),
-        seeds=args.seeds,
-        steps=args.steps,
-        preset=args.preset,
-        device=args.device,
-        overwrite=args.overwrite,
-        progress=not args.quiet,
-        jobs=args.jobs,
-        jobs_per_device=args.jobs_per_device,
-        evaluate=args.evaluate,
-        eval_settings=settings,
-        part=args.part,
+        out=settings.out,
+        config=settings.config,
+        overrides=list(settings.overrides),
+        attentions=tuple(settings.attention),
+        seeds=settings.seeds,
+        steps=settings.steps,
+        preset=settings.preset,
+        device=settings.device,
+        overwrite=settings.overwrite,
+        progress=not settings.quiet,
+        jobs=settings.jobs,
+        jobs_per_device=settings.jobs_per_device,
+        evaluate=settings.evaluate,
+        eval_settings=settings.eval_settings(),
+        part=settings.part,
     )
     run_compare(options)
     return 0
