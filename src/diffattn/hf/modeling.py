@@ -306,6 +306,36 @@ def flattened_documents(
     return document_ids[None].to(rows.device)
 
 
+FORWARD_DOC = """HF's causal-LM forward. Every argument is used or checked; there is no
+catch-all, so an argument this model does not understand is a ``TypeError`` naming it.
+
+Args:
+    cache: an HF ``Cache`` holding earlier tokens (transformers >= 5.24 name).
+    past_key_values: the same, under its name before transformers 5.24 (a
+        ``FutureWarning`` where ``cache`` is the current name); giving both is an error.
+    cache_position: accepted for the transformers versions that pass it; positions and
+        cache slots come from ``attention_mask`` and the cache, so it must be the run of
+        slots that follows the cached tokens (anything else is an error).
+    num_items_in_batch: the number of target tokens of the whole (accumulated) batch,
+        as HF's ``Trainer`` passes it: the loss is then the sum over this batch's
+        targets divided by it, as in HF's own causal LMs.
+    cu_seq_lens_q, cu_seq_lens_k, read_index, write_index, block_table: continuous
+        batching's packed batch over a paged cache (:mod:`diffattn.hf.paged`): given
+        together with a ``PagedAttentionCache``. Without one, ``cu_seq_lens_q``/``_k``
+        (and ``max_length_q``/``_k``) are HF's padding-free format
+        (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): one row of
+        documents, each attending only to itself (``document_ids`` of the core model).
+    logits_indices, logits_processor_args: the rows continuous batching samples from
+        and its logits processors' inputs; it applies them to the returned logits
+        itself (the rows arrive again as a tensor ``logits_to_keep``).
+    max_length_q, max_length_k, max_seqlen_q, max_seqlen_k, is_causal: sizes and the
+        causal flag continuous batching passes for HF's kernels (``max_seqlen_*`` in
+        5.0); here the per-request lengths come from ``cu_seq_lens_q``/``_k`` and every
+        request is causal.
+"""
+"""The docstring of :meth:`DiffAttnForCausalLM.forward` (kept here: its argument list is HF's)."""
+
+
 class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
     """Causal LM head model: ``forward`` returns HF's ``CausalLMOutputWithPast``."""
 
@@ -442,33 +472,6 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
         max_seqlen_k: int | dict[str, int] | None = None,
         is_causal: bool | None = None,
     ) -> DiffAttnCausalLMOutput:
-        """HF's causal-LM forward. Every argument is used or checked; there is no catch-all, so
-        an argument this model does not understand is a ``TypeError`` naming it.
-
-        Args:
-            cache: an HF ``Cache`` holding earlier tokens (transformers >= 5.24 name).
-            past_key_values: the same, under its name before transformers 5.24 (a
-                ``FutureWarning`` where ``cache`` is the current name); giving both is an error.
-            cache_position: accepted for the transformers versions that pass it; positions and
-                cache slots come from ``attention_mask`` and the cache, so it must be the run of
-                slots that follows the cached tokens (anything else is an error).
-            num_items_in_batch: the number of target tokens of the whole (accumulated) batch,
-                as HF's ``Trainer`` passes it: the loss is then the sum over this batch's
-                targets divided by it, as in HF's own causal LMs.
-            cu_seq_lens_q, cu_seq_lens_k, read_index, write_index, block_table: continuous
-                batching's packed batch over a paged cache (:mod:`diffattn.hf.paged`): given
-                together with a ``PagedAttentionCache``. Without one, ``cu_seq_lens_q``/``_k``
-                (and ``max_length_q``/``_k``) are HF's padding-free format
-                (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): one row of
-                documents, each attending only to itself (``document_ids`` of the core model).
-            logits_indices, logits_processor_args: the rows continuous batching samples from
-                and its logits processors' inputs; it applies them to the returned logits
-                itself (the rows arrive again as a tensor ``logits_to_keep``).
-            max_length_q, max_length_k, max_seqlen_q, max_seqlen_k, is_causal: sizes and the
-                causal flag continuous batching passes for HF's kernels (``max_seqlen_*`` in
-                5.0); here the per-request lengths come from ``cu_seq_lens_q``/``_k`` and every
-                request is causal.
-        """
         cache = resolve_cache_argument(cache, past_key_values)
         document_ids = padding_free_documents(
             input_ids if input_ids is not None else inputs_embeds,
@@ -481,41 +484,75 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
             max_length_q,
             max_length_k,
         )
-        if document_ids is not None and cu_seq_lens_q is not None:  # not continuous batching's
-            cu_seq_lens_q = cu_seq_lens_k = max_length_q = max_length_k = None
-        if cu_seq_lens_q is not None or is_paged_cache(cache):
-            arguments = PagedBatchArguments(
+        if document_ids is None and (cu_seq_lens_q is not None or is_paged_cache(cache)):
+            paged = PagedBatchArguments(
                 cu_seq_lens_q, cu_seq_lens_k, read_index, write_index, block_table
             )
-            unsupported = {
-                "inputs_embeds": inputs_embeds is not None,
-                "labels": labels is not None,
-                "output_attentions": bool(output_attentions),
-                "output_hidden_states": bool(output_hidden_states),
-            }
-            check_paged_call(arguments, cache, attention_mask, unsupported)
-            self._sync_backend()
-            logits = paged_forward(self.model, input_ids, position_ids, cache, arguments)
-            return self._causal_lm_output(None, logits, None, logits_to_keep, cache, return_dict)
-        varlen = {
-            "read_index": read_index,
-            "write_index": write_index,
-            "block_table": block_table,
-            "cu_seq_lens_k": cu_seq_lens_k,
-            "logits_indices": logits_indices,
-            "logits_processor_args": logits_processor_args,
-            "max_length_q": max_length_q,
-            "max_length_k": max_length_k,
-            "max_seqlen_q": max_seqlen_q,
-            "max_seqlen_k": max_seqlen_k,
-            "is_causal": is_causal,
-        }
-        given = sorted(name for name, value in varlen.items() if value is not None)
-        if given:
-            raise ValueError(
-                f"{', '.join(given)}: continuous-batching arguments, valid only with "
-                "cu_seq_lens_q and a PagedAttentionCache"
+            refused = (inputs_embeds, labels, output_attentions, output_hidden_states)
+            logits = self._paged_logits(
+                input_ids, position_ids, attention_mask, cache, paged, refused
             )
+            return self._causal_lm_output(None, logits, None, logits_to_keep, cache, return_dict)
+        refuse_continuous_batching_arguments(
+            document_ids is not None,
+            read_index=read_index,
+            write_index=write_index,
+            block_table=block_table,
+            cu_seq_lens_k=cu_seq_lens_k,
+            logits_indices=logits_indices,
+            logits_processor_args=logits_processor_args,
+            max_length_q=max_length_q,
+            max_length_k=max_length_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            is_causal=is_causal,
+        )
+        return self._model_step(
+            input_ids,
+            attention_mask,
+            position_ids,
+            cache,
+            inputs_embeds,
+            labels,
+            use_cache,
+            output_attentions,
+            output_hidden_states,
+            return_dict,
+            logits_to_keep,
+            num_items_in_batch,
+            cache_position,
+            document_ids,
+        )
+
+    forward.__doc__ = FORWARD_DOC
+
+    def _paged_logits(self, input_ids, position_ids, attention_mask, cache, paged, refused):
+        """The logits of one continuous-batching step over the paged cache
+        (:mod:`diffattn.hf.paged`); ``refused`` holds the inputs such a step refuses
+        (``inputs_embeds``, ``labels``, ``output_attentions``, ``output_hidden_states``)."""
+        check_paged_call(paged, cache, attention_mask, refused_inputs(*refused))
+        self._sync_backend()
+        return paged_forward(self.model, input_ids, position_ids, cache, paged)
+
+    def _model_step(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        cache,
+        inputs_embeds,
+        labels,
+        use_cache,
+        output_attentions,
+        output_hidden_states,
+        return_dict,
+        logits_to_keep,
+        num_items_in_batch,
+        cache_position,
+        document_ids,
+    ) -> DiffAttnCausalLMOutput:
+        """The forward of everything but a continuous-batching step: the core model over the
+        tokens, with an HF cache (created when ``use_cache`` asks for one) or none."""
         if use_cache is None:
             use_cache = getattr(self.config, "use_cache", True)
         if document_ids is not None:  # a padding-free row: nothing to cache (the next token
@@ -531,28 +568,13 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
         self._sync_backend()
         adapter = HFCacheAdapter(cache) if cache is not None else None
         new_tokens = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        slots = None
-        if (
-            adapter is not None
-            and adapter.max_len is not None
-            and (attention_mask is None or attention_mask.dim() == 2)
-        ):
-            # A pre-allocated cache (HF's StaticCache): fixed shapes, slots as a tensor and a
-            # mask spanning the buffer, so the step compiles with fullgraph=True.
-            slots = adapter.slots(new_tokens, cache_position, self.model.embed_tokens.weight.device)
-            if attention_mask is not None:
-                if attention_mask.shape[1] != adapter.max_len and not torch.compiler.is_compiling():
-                    expected = adapter.get_seq_length() + new_tokens
-                    if attention_mask.shape[1] != expected:
-                        raise ValueError(
-                            f"attention_mask shape {tuple(attention_mask.shape)} does not match "
-                            f"(batch, cached + new tokens) = {(attention_mask.shape[0], expected)} "
-                            f"nor the static cache's (batch, {adapter.max_len})"
-                        )
-                attention_mask = spanning_mask(attention_mask, adapter.max_len)
-        elif cache_position is not None:
-            cached = adapter.get_seq_length() if adapter is not None else 0
-            check_cache_position(cache_position, cached, new_tokens)
+        slots, attention_mask = cache_slots_and_mask(
+            adapter,
+            attention_mask,
+            new_tokens,
+            cache_position,
+            self.model.embed_tokens.weight.device,
+        )
         out = self.model(
             input_ids,
             attention_mask=attention_mask,
@@ -610,3 +632,68 @@ __all__ = [
     "HFCacheAdapter",
     "backend_for_implementation",
 ]
+
+
+def refused_inputs(
+    inputs_embeds: Any, labels: Any, output_attentions: Any, output_hidden_states: Any
+) -> dict[str, bool]:
+    """The inputs a continuous-batching step refuses, each with whether it was given."""
+    return {
+        "inputs_embeds": inputs_embeds is not None,
+        "labels": labels is not None,
+        "output_attentions": bool(output_attentions),
+        "output_hidden_states": bool(output_hidden_states),
+    }
+
+
+def refuse_continuous_batching_arguments(padding_free: bool, **arguments: Any) -> None:
+    """``ValueError`` naming the continuous-batching arguments given (not ``None``) to a
+    forward that is no continuous-batching step (no ``cu_seq_lens_q`` and paged cache).
+
+    With ``padding_free`` (HF's padding-free format read the documents from ``cu_seq_lens_q``)
+    its other sizes (``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``) belong to it."""
+    flattening = ("cu_seq_lens_k", "max_length_q", "max_length_k") if padding_free else ()
+    given = sorted(
+        name for name, value in arguments.items() if value is not None and name not in flattening
+    )
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: continuous-batching arguments, valid only with "
+            "cu_seq_lens_q and a PagedAttentionCache"
+        )
+
+
+def cache_slots_and_mask(
+    adapter: HFCacheAdapter | None,
+    attention_mask: torch.Tensor | None,
+    new_tokens: int,
+    cache_position: torch.LongTensor | None,
+    device: torch.device,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The cache slots of the new tokens and the attention mask the core model takes.
+
+    A pre-allocated cache (HF's ``StaticCache``) gets fixed shapes: slots as a tensor and a
+    mask spanning its buffer, so the step compiles with ``fullgraph=True``. Otherwise the
+    slots follow the cached tokens (``None``) and a given ``cache_position`` must say the same.
+    """
+    if (
+        adapter is not None
+        and adapter.max_len is not None
+        and (attention_mask is None or attention_mask.dim() == 2)
+    ):
+        slots = adapter.slots(new_tokens, cache_position, device)
+        if attention_mask is not None:
+            if attention_mask.shape[1] != adapter.max_len and not torch.compiler.is_compiling():
+                expected = adapter.get_seq_length() + new_tokens
+                if attention_mask.shape[1] != expected:
+                    raise ValueError(
+                        f"attention_mask shape {tuple(attention_mask.shape)} does not match "
+                        f"(batch, cached + new tokens) = {(attention_mask.shape[0], expected)} "
+                        f"nor the static cache's (batch, {adapter.max_len})"
+                    )
+            attention_mask = spanning_mask(attention_mask, adapter.max_len)
+        return slots, attention_mask
+    if cache_position is not None:
+        cached = adapter.get_seq_length() if adapter is not None else 0
+        check_cache_position(cache_position, cached, new_tokens)
+    return None, attention_mask
