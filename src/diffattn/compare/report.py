@@ -268,15 +268,11 @@ def write_report(
     ``runs`` may be empty (the language-modelling part not run); ``retrieval`` is the
     retrieval experiment's section (:func:`~diffattn.compare.retrieval_report.retrieval_section`)
     when it ran."""
-    from diffattn.compare.claims import PAPER_CLAIMS, claims_table, evaluate_claims
     from diffattn.compare.plots import plot_evals, plot_lambda, plot_losses
-    from diffattn.train import dump_config
 
     rows = table_rows(runs)
     per_seed = per_seed_evals(runs)
-    verdicts = []
-    if "baseline" in per_seed and len(per_seed) > 1:
-        verdicts = evaluate_claims(PAPER_CLAIMS, per_seed, z=z)
+    verdicts = judge_paper_claims(per_seed, z)
     noise = validation_noise(per_seed)
     plots = [
         p
@@ -284,8 +280,62 @@ def write_report(
         if p is not None
     ]
     retrieval_lines, retrieval_data, retrieval_plots = retrieval or ([], None, [])
+    data = results_data(
+        base, runs, prepared, elapsed_s, z, rows, verdicts, noise, plots, retrieval_data
+    )
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+    tmp.replace(out / "results.json")
+
+    report = out / "report.md"
+    lines = ["# diffattn compare", "", f"Total wall time {elapsed_s / 60:.1f} min.", ""]
+    lines += retrieval_lines
+    if not runs:
+        report.write_text("\n".join(lines), encoding="utf-8")
+        print(f"\nreport: {report}" + "".join(f"\nplot:   {p}" for p in retrieval_plots))
+        return report, retrieval_plots
+    seeds = sorted({r.seed for r in runs})
+    lines += language_modelling_intro(base, seeds)
+    lines += claims_section(verdicts, z, len(seeds))
+    lines += measurements_section(per_seed)
+    lines += validation_noise_section(noise)
+    lines += training_section(base, rows, runs, plots)
+    lines += data_and_recipe_section(base, data)
+    report.write_text("\n".join(lines), encoding="utf-8")
+    plots = retrieval_plots + plots
+    print_summary(rows, verdicts)
+    print(f"\nreport: {report}" + "".join(f"\nplot:   {out / p.name}" for p in plots))
+    return report, plots
+
+
+def judge_paper_claims(per_seed: dict[str, list[dict[str, Any]]], z: float) -> list[Any]:
+    """The verdicts on the papers' claims (:data:`~diffattn.compare.claims.PAPER_CLAIMS`), or
+    ``[]`` unless the baseline and at least one other model were evaluated."""
+    from diffattn.compare.claims import PAPER_CLAIMS, evaluate_claims
+
+    if "baseline" in per_seed and len(per_seed) > 1:
+        return evaluate_claims(PAPER_CLAIMS, per_seed, z=z)
+    return []
+
+
+def results_data(
+    base: Any,
+    runs: list[RunSummary],
+    prepared: Any,
+    elapsed_s: float,
+    z: float,
+    rows: list[dict[str, Any]],
+    verdicts: list[Any],
+    noise: list[dict[str, Any]],
+    plots: list[Path],
+    retrieval_data: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The content of ``results.json``: the table rows, the claims with their verdicts, the
+    validation-noise check, every run, the data, the recipe and the plots' names."""
+    from diffattn.train import dump_config
+
     stats = getattr(prepared, "stats", None)
-    data = {
+    return {
         "rows": rows,
         "claims": [
             {
@@ -312,20 +362,13 @@ def write_report(
         "plots": [p.name for p in plots],
         "retrieval": retrieval_data,
     }
-    tmp = out / "results.json.tmp"
-    tmp.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
-    tmp.replace(out / "results.json")
 
-    report = out / "report.md"
-    lines = ["# diffattn compare", "", f"Total wall time {elapsed_s / 60:.1f} min.", ""]
-    lines += retrieval_lines
-    if not runs:
-        report.write_text("\n".join(lines), encoding="utf-8")
-        print(f"\nreport: {report}" + "".join(f"\nplot:   {p}" for p in retrieval_plots))
-        return report, retrieval_plots
+
+def language_modelling_intro(base: Any, seeds: list[int]) -> list[str]:
+    """Markdown lines opening the language-modelling part: the seeds, steps, tokens and data
+    every model shares."""
     tokens_per_step = base.global_batch_size * base.seq_len
-    seeds = sorted({r.seed for r in runs})
-    lines += [
+    return [
         "## Language modelling",
         "",
         f"Same tokens, order and seed for every model; {len(seeds)} seed(s) "
@@ -334,43 +377,75 @@ def write_report(
         f"Data: {', '.join(base.data_config().sources)}.",
         "",
     ]
-    if verdicts:
-        lines += ["### The papers' claims at this scale", ""]
-        lines += [*outcome_sentences(verdicts), ""]
-        lines += [claims_table(verdicts, z), ""]
-        if len(seeds) < 3:
-            lines += [
-                f"With {len(seeds)} seed(s) the spread is poorly known; every verdict is "
-                "inconclusive below 2 seeds. Use `--seeds 3` or more.",
-                "",
-            ]
-    if per_seed:
-        lines += ["### Measurements (mean ± sd over seeds)", "", measurement_table(per_seed), ""]
+
+
+def claims_section(verdicts: list[Any], z: float, n_seeds: int) -> list[str]:
+    """Markdown lines on the papers' claims: the loss outcome in sentences, the claims table and
+    a warning below 3 seeds; ``[]`` without verdicts."""
+    from diffattn.compare.claims import claims_table
+
+    if not verdicts:
+        return []
+    lines = ["### The papers' claims at this scale", ""]
+    lines += [*outcome_sentences(verdicts), ""]
+    lines += [claims_table(verdicts, z), ""]
+    if n_seeds < 3:
         lines += [
-            "The trainer's validation stream; needles at the trained length on the "
-            "synthetic haystack; attention shares are the last prompt token's attention on the "
-            "answer needles and on the context outside every needle, divided by the row's total "
-            "(a differential map sums to 1 − λ); |logit| pools both maps of DIFF.",
+            f"With {n_seeds} seed(s) the spread is poorly known; every verdict is "
+            "inconclusive below 2 seeds. Use `--seeds 3` or more.",
             "",
         ]
-    if noise:
-        lines += ["### Is the validation set large enough?", ""]
-        lines += [
-            "| model | windows | loss − Transformer | window-level s.e. (paired) | sd over seeds |",
-            "|---|---|---|---|---|",
-        ]
-        for row in noise:
-            lines.append(
-                f"| {NAMES.get(row['model'], row['model'])} | {row['windows']} | "
-                f"{row['difference']:+.4f} | {row['window_sem']:.4f} | {row['seed_sd']:.4f} |"
-            )
-        lines += [
-            "",
-            "A difference smaller than twice its window-level standard error is within the "
-            "noise of the validation set; the sd over seeds is the noise of training.",
-            "",
-        ]
-    lines += ["### Training", "", markdown_table(rows), ""]
+    return lines
+
+
+def measurements_section(per_seed: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Markdown lines with the measurement table and what its rows measure; ``[]`` when no run
+    was evaluated."""
+    if not per_seed:
+        return []
+    return [
+        "### Measurements (mean ± sd over seeds)",
+        "",
+        measurement_table(per_seed),
+        "",
+        "The trainer's validation stream; needles at the trained length on the "
+        "synthetic haystack; attention shares are the last prompt token's attention on the "
+        "answer needles and on the context outside every needle, divided by the row's total "
+        "(a differential map sums to 1 − λ); |logit| pools both maps of DIFF.",
+        "",
+    ]
+
+
+def validation_noise_section(noise: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines with the rows of :func:`validation_noise` as a table and how to read it;
+    ``[]`` without rows."""
+    if not noise:
+        return []
+    lines = ["### Is the validation set large enough?", ""]
+    lines += [
+        "| model | windows | loss − Transformer | window-level s.e. (paired) | sd over seeds |",
+        "|---|---|---|---|---|",
+    ]
+    for row in noise:
+        lines.append(
+            f"| {NAMES.get(row['model'], row['model'])} | {row['windows']} | "
+            f"{row['difference']:+.4f} | {row['window_sem']:.4f} | {row['seed_sd']:.4f} |"
+        )
+    lines += [
+        "",
+        "A difference smaller than twice its window-level standard error is within the "
+        "noise of the validation set; the sd over seeds is the noise of training.",
+        "",
+    ]
+    return lines
+
+
+def training_section(
+    base: Any, rows: list[dict[str, Any]], runs: list[RunSummary], plots: list[Path]
+) -> list[str]:
+    """Markdown lines with the training table, the devices the runs used, how the columns are
+    measured, and the plots (or how to get them)."""
+    lines = ["### Training", "", markdown_table(rows), ""]
     lines += device_lines((r.attention, r.seed, r.device) for r in runs)
     lines += [
         "Validation loss here is the trainer's last evaluation "
@@ -382,17 +457,26 @@ def write_report(
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     if not plots:
         lines.append("(no plots: install matplotlib, e.g. `pip install 'diffattn[train]'`)")
-    lines += ["", "### Data", "", f"- tokenizer: `{data['tokenizer']}`", f"- {data['data']}"]
+    return lines
+
+
+def data_and_recipe_section(base: Any, data: dict[str, Any]) -> list[str]:
+    """Markdown lines naming the tokenizer and the data (from the :func:`results_data` of the
+    report), then the recipe as YAML."""
+    from diffattn.train import dump_config
+
+    lines = ["", "### Data", "", f"- tokenizer: `{data['tokenizer']}`", f"- {data['data']}"]
     lines += ["", "### Recipe", "", "```yaml", dump_config(base).rstrip(), "```", ""]
-    report.write_text("\n".join(lines), encoding="utf-8")
-    plots = retrieval_plots + plots
+    return lines
+
+
+def print_summary(rows: list[dict[str, Any]], verdicts: list[Any]) -> None:
+    """Print the training table and one line per verdict."""
     print("\n" + text_table(rows))
     if verdicts:
         print()
         for v in verdicts:
             print(f"{NAMES.get(v.model, v.model):8} {v.claim.key:13} {v.measured():28} {v.verdict}")
-    print(f"\nreport: {report}" + "".join(f"\nplot:   {out / p.name}" for p in plots))
-    return report, plots
 
 
 def device_lines(runs: Iterable[tuple[str, int, str | None]]) -> list[str]:
