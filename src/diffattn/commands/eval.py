@@ -57,15 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_experiment(subparsers: argparse._SubParsersAction, module: Any) -> None:
-    from diffattn.eval.common import add_common_arguments
+    from diffattn.eval.common import EvalCommandOptions
 
     sub = subparsers.add_parser(module.NAME, help=module.HELP, description=module.HELP)
-    add_common_arguments(sub)
-    sub.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a non-empty --out holding something else",
-    )
+    EvalCommandOptions.add_arguments(sub)
     module.add_arguments(sub)
     sub.set_defaults(experiment_main=module.main)
 

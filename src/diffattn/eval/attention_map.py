@@ -49,6 +49,10 @@ from diffattn.eval.common import (
 from diffattn.loading import TextTokenizer
 from diffattn.settings import Settings, setting
 
+LAST_QUERY = (-1,)
+"""The query rows a map shows by default: the last token's."""
+MAX_LABELS = 48
+"""The most token labels a heatmap axis shows (more are thinned out)."""
 NAME = "attention"
 HELP = "draw A1, A2 and A1 − λA2 (or A) over the tokens of your own prompt (DIFF V1 Fig 1)"
 VIEWS = ("row", "heatmap", "both")
@@ -152,7 +156,7 @@ def capture_maps(
     token_ids: Sequence[int],
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
-    queries: Sequence[int] | None = (-1,),
+    queries: Sequence[int] | None = LAST_QUERY,
 ) -> dict[int, LayerMaps]:
     """The probe's maps of ``model`` on one prompt of ``token_ids``, per chosen layer.
 
@@ -254,7 +258,7 @@ def plot_rows(
     query: int,
     path: Path,
     title: str = "",
-    max_labels: int = 48,
+    max_labels: int = MAX_LABELS,
     marks: dict[str, Sequence[int]] | None = None,
 ) -> Path:
     """Row view: the attention of query position ``query`` over tokens 0…query, one column per
@@ -314,7 +318,11 @@ def plot_rows(
 
 
 def plot_heatmap(
-    maps: LayerMaps, labels: Sequence[str], path: Path, title: str = "", max_labels: int = 48
+    maps: LayerMaps,
+    labels: Sequence[str],
+    path: Path,
+    title: str = "",
+    max_labels: int = MAX_LABELS,
 ) -> Path:
     """Heatmap view: the whole causal map of every query (rows) over every key (columns), one
     row of panels per head, one column per map. A1 and A2 share one scale per head; A1 − λA2 is
@@ -616,7 +624,7 @@ class AttentionSettings(Settings):
         help="comma-separated heads (default all)",
     )
     queries: tuple[int, ...] = setting(
-        (-1,),
+        LAST_QUERY,
         flag="--query",
         dest="query",
         cli_default=None,
@@ -631,7 +639,7 @@ class AttentionSettings(Settings):
         help="row: chosen query rows over the tokens (Fig 1); heatmap: the whole map; both",
     )
     max_labels: int = setting(
-        48,
+        MAX_LABELS,
         min=1,
         report_last=True,
         help="label at most this many tokens per axis; longer prompts label every k-th",

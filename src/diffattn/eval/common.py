@@ -31,6 +31,8 @@ from diffattn.loading import TextTokenizer
 from diffattn.settings import Settings, setting
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_DTYPE = "fp32"
+"""The dtype models are evaluated in unless ``--dtype`` says otherwise."""
 RESULTS_NAME = "results.json"
 REPORT_NAME = "report.md"
 
@@ -112,7 +114,7 @@ def load_models(
     specs: Sequence[str],
     dex: str | None = None,
     device: str = "cpu",
-    dtype: str = "fp32",
+    dtype: str = DEFAULT_DTYPE,
 ) -> list[EvalModel]:
     """Load every model of ``specs`` (the first gets ``dex`` applied when given)."""
     from diffattn.loading import load_model_and_tokenizer
@@ -329,13 +331,23 @@ class CommonOptions(Settings):
     device: str = setting(
         "auto", help="cpu, cuda or auto (default: {default}: CUDA when available)"
     )
-    dtype: str = setting("fp32", choices=tuple(sorted(DTYPES)))
+    dtype: str = setting(DEFAULT_DTYPE, choices=tuple(sorted(DTYPES)))
     batch_size: int = setting(8, help="sequences per forward", min=1)
     seed: int = setting(0)
     quiet: bool = setting(False, help="no progress bars")
 
 
 add_common_arguments = CommonOptions.add_arguments
+
+
+@dataclass(frozen=True)
+class EvalCommandOptions(CommonOptions):
+    """:class:`CommonOptions` and ``--overwrite``, an option of ``diffattn eval`` itself (the
+    experiments' ``run`` never sees it)."""
+
+    overwrite: bool = setting(
+        False, help="replace a non-empty --out holding something else", command_only=True
+    )
 
 
 def models_from_args(args: Any) -> list[EvalModel]:

@@ -171,7 +171,10 @@ def _dataset(path: Path, task: str) -> list[Sample]:
 
 
 def load_samples(
-    paths: Sequence[str], task: str = "auto", samples: int = 100, seed: int = 0
+    paths: Sequence[str],
+    task: str = HallucinationSettings.task,
+    samples: int = HallucinationSettings.samples,
+    seed: int = 0,
 ) -> dict[str, list[Sample]]:
     """Up to ``samples`` samples of every dataset, drawn from ``seed`` (see the docstring)."""
     if task not in TASKS:

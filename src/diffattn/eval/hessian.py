@@ -76,8 +76,8 @@ add_arguments = HessianSettings.add_arguments
 def dominant_eigenvalue(
     loss_fn: Callable[[], torch.Tensor],
     params: Sequence[torch.Tensor],
-    iters: int = 30,
-    tol: float = 1e-3,
+    iters: int = HessianSettings.iters,
+    tol: float = HessianSettings.tol,
     generator: torch.Generator | None = None,
 ) -> tuple[float, int]:
     """The Hessian eigenvalue of largest magnitude of ``loss_fn()`` in ``params`` (power

@@ -131,7 +131,7 @@ def evaluate_windows(
     pieces: Sequence[Sequence[int]],
     owner: Sequence[int],
     seq_len: int,
-    ngram: int = 2,
+    ngram: int = LossSettings.ngram,
     batch_size: int = 8,
     exclude: set | None = None,
     quiet: bool = True,
