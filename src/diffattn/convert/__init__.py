@@ -133,21 +133,21 @@ def convert(
 
         return consolidate(path, out, overwrite=overwrite, dtype=torch_dtype)
     if kind == "hf-llama":
-        return llama.hf_llama_to_diffattn(path, out, overwrite=overwrite, dtype=torch_dtype)
+        return llama.LLAMA.to_diffattn(path, out, overwrite=overwrite, dtype=torch_dtype)
     if kind == "hf-diffllama":
-        return diffllama.hf_diffllama_to_diffattn(path, out, overwrite=overwrite, dtype=torch_dtype)
+        return diffllama.DIFFLLAMA.to_diffattn(path, out, overwrite=overwrite, dtype=torch_dtype)
     if kind == "gguf":
         hf_dir = export_gguf(path)  # dequantised once into the cache, then reused
         if target == "hf-llama":
             return _rewrite_hf_llama(hf_dir, out, overwrite, torch_dtype)
-        return llama.hf_llama_to_diffattn(hf_dir, out, overwrite=overwrite, dtype=torch_dtype)
+        return llama.LLAMA.to_diffattn(hf_dir, out, overwrite=overwrite, dtype=torch_dtype)
     if target == "hf-llama":
-        return llama.diffattn_to_hf_llama(path, out, overwrite=overwrite, dtype=torch_dtype)
+        return llama.LLAMA.from_diffattn(path, out, overwrite=overwrite, dtype=torch_dtype)
     if target == "hub":
         from diffattn.convert.hub import diffattn_to_hub
 
         return diffattn_to_hub(path, out, overwrite=overwrite, dtype=torch_dtype)
-    return diffllama.diffattn_to_hf_diffllama(path, out, overwrite=overwrite, dtype=torch_dtype)
+    return diffllama.DIFFLLAMA.from_diffattn(path, out, overwrite=overwrite, dtype=torch_dtype)
 
 
 def _rewrite_hf_llama(hf_dir: Path, out: Path, overwrite: bool, dtype: torch.dtype | None) -> Path:

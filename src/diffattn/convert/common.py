@@ -21,6 +21,7 @@ safetensors only, and output directories are written atomically
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -291,6 +292,30 @@ def model_config_from_hf(hf_config: Any, source: str, **fields: Any) -> ModelCon
         raise ValueError(f"{source}: cannot be expressed as a diffattn model: {error}") from error
 
 
+def hf_config_fields(config: ModelConfig, ids: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ``LlamaConfig`` / ``DiffLlamaConfig`` arguments both families share, for ``config``.
+
+    ``ids`` holds the special-token ids to carry over (absent ones become ``None``).
+    """
+    return dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=config.ffn_dim,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.dim_per_head,
+        hidden_act="silu",
+        max_position_embeddings=config.max_seq_len,
+        initializer_range=config.init_std,
+        rms_norm_eps=config.norm_eps,
+        tie_word_embeddings=config.tie_embeddings,
+        rope_theta=float(config.rope_theta),
+        attention_bias=False,
+        **{k: (ids or {}).get(k) for k in TOKEN_ID_KEYS},
+    )
+
+
 def read_hf_state(src_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of an HF directory, from safetensors only (pickle ``.bin`` is refused)."""
     return read_safetensors(weight_files(src_dir))
@@ -323,49 +348,50 @@ def write_hf_dir(
     return out
 
 
-def convert_hf_to_diffattn(
-    src_dir: Path,
-    out: Path,
-    *,
-    hf_config_name: str,
-    config_fn: Callable[[Any, str], ModelConfig],
-    state_fn: Callable[[dict[str, torch.Tensor], ModelConfig, str], dict[str, torch.Tensor]],
-    overwrite: bool = False,
-    dtype: torch.dtype | None = None,
-) -> Path:
-    """Read an HF directory, map config and weights with the two functions, write diffattn."""
-    transformers = require_transformers()
-    hf_config = load_hf_config(src_dir, getattr(transformers, hf_config_name))
-    config = config_fn(hf_config, str(src_dir / "config.json"))
-    state = state_fn(read_hf_state(src_dir), config, str(src_dir))
-    return write_diffattn_dir(
-        config,
-        cast_state(state, dtype),
-        out,
-        overwrite=overwrite,
-        tokenizer_dir=src_dir,
-        ids=token_ids(read_json(src_dir / "config.json")),
-    )
+@dataclass(frozen=True)
+class HFFamily:
+    """A Hugging Face model family and the four functions that map it to and from diffattn.
 
+    ``config_to_diffattn(hf_config, source)`` and ``state_to_diffattn(hf_state, config,
+    source)`` read the HF side; ``config_from_diffattn(config, ids)`` and
+    ``state_from_diffattn(state, config)`` write it.
+    """
 
-def convert_diffattn_to_hf(
-    src_dir: Path,
-    out: Path,
-    *,
-    hf_model_name: str,
-    config_fn: Callable[[ModelConfig, dict[str, Any]], Any],
-    state_fn: Callable[[dict[str, torch.Tensor], ModelConfig], dict[str, torch.Tensor]],
-    overwrite: bool = False,
-    dtype: torch.dtype | None = None,
-) -> Path:
-    """Read a diffattn directory, map config and weights with the two functions, write HF."""
-    transformers = require_transformers()
-    config, state, raw = read_diffattn_dir(src_dir)
-    return write_hf_dir(
-        getattr(transformers, hf_model_name),
-        config_fn(config, token_ids(raw)),
-        cast_state(state_fn(state, config), dtype),
-        out,
-        overwrite=overwrite,
-        tokenizer_dir=src_dir,
-    )
+    hf_config_name: str
+    hf_model_name: str
+    config_to_diffattn: Callable[[Any, str], ModelConfig]
+    state_to_diffattn: Callable[[dict[str, torch.Tensor], ModelConfig, str], dict]
+    config_from_diffattn: Callable[[ModelConfig, dict[str, Any]], Any]
+    state_from_diffattn: Callable[[dict[str, torch.Tensor], ModelConfig], dict]
+
+    def to_diffattn(
+        self, src_dir: Path, out: Path, *, overwrite: bool = False, dtype: torch.dtype | None = None
+    ) -> Path:
+        """Convert an HF directory of this family into a diffattn model directory."""
+        transformers = require_transformers()
+        hf_config = load_hf_config(src_dir, getattr(transformers, self.hf_config_name))
+        config = self.config_to_diffattn(hf_config, str(src_dir / "config.json"))
+        state = self.state_to_diffattn(read_hf_state(src_dir), config, str(src_dir))
+        return write_diffattn_dir(
+            config,
+            cast_state(state, dtype),
+            out,
+            overwrite=overwrite,
+            tokenizer_dir=src_dir,
+            ids=token_ids(read_json(src_dir / "config.json")),
+        )
+
+    def from_diffattn(
+        self, src_dir: Path, out: Path, *, overwrite: bool = False, dtype: torch.dtype | None = None
+    ) -> Path:
+        """Convert a diffattn model directory into an HF directory of this family."""
+        transformers = require_transformers()
+        config, state, raw = read_diffattn_dir(src_dir)
+        return write_hf_dir(
+            getattr(transformers, self.hf_model_name),
+            self.config_from_diffattn(config, token_ids(raw)),
+            cast_state(self.state_from_diffattn(state, config), dtype),
+            out,
+            overwrite=overwrite,
+            tokenizer_dir=src_dir,
+        )

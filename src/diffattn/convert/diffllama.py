@@ -27,8 +27,6 @@ learnable head-norm weight (shared by all heads) is folded into o_proj's columns
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from diffattn.config import ModelConfig
@@ -83,23 +81,9 @@ def diffattn_config_to_diffllama(config: ModelConfig, ids: dict | None = None):
             f"{config.norm_eps}; HF DiffLlama uses rms_norm_eps for both"
         )
     return transformers.DiffLlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.d_model,
-        intermediate_size=config.ffn_dim,
-        num_hidden_layers=config.n_layers,
-        num_attention_heads=config.n_heads,
-        num_key_value_heads=config.num_kv_heads,
-        head_dim=config.dim_per_head,
-        hidden_act="silu",
-        max_position_embeddings=config.max_seq_len,
-        initializer_range=config.init_std,
-        rms_norm_eps=config.norm_eps,
-        tie_word_embeddings=config.tie_embeddings,
-        rope_theta=float(config.rope_theta),
-        attention_bias=False,
+        **common.hf_config_fields(config, ids),
         attention_dropout=0.0,
         lambda_std_dev=config.lambda_std,
-        **{k: (ids or {}).get(k) for k in common.TOKEN_ID_KEYS},
     )
 
 
@@ -143,31 +127,12 @@ def diffattn_state_to_diffllama(
     return common.diffattn_state_to_hf(state, config)
 
 
-def hf_diffllama_to_diffattn(
-    src_dir: Path, out: Path, *, overwrite: bool = False, dtype: torch.dtype | None = None
-) -> Path:
-    """Convert an HF DiffLlama directory into a diffattn DIFF V1 model directory."""
-    return common.convert_hf_to_diffattn(
-        src_dir,
-        out,
-        hf_config_name="DiffLlamaConfig",
-        config_fn=diffllama_config_to_diffattn,
-        state_fn=diffllama_state_to_diffattn,
-        overwrite=overwrite,
-        dtype=dtype,
-    )
-
-
-def diffattn_to_hf_diffllama(
-    src_dir: Path, out: Path, *, overwrite: bool = False, dtype: torch.dtype | None = None
-) -> Path:
-    """Convert a diffattn DIFF V1 model directory into an HF DiffLlama directory."""
-    return common.convert_diffattn_to_hf(
-        src_dir,
-        out,
-        hf_model_name="DiffLlamaForCausalLM",
-        config_fn=diffattn_config_to_diffllama,
-        state_fn=diffattn_state_to_diffllama,
-        overwrite=overwrite,
-        dtype=dtype,
-    )
+DIFFLLAMA = common.HFFamily(
+    hf_config_name="DiffLlamaConfig",
+    hf_model_name="DiffLlamaForCausalLM",
+    config_to_diffattn=diffllama_config_to_diffattn,
+    state_to_diffattn=diffllama_state_to_diffattn,
+    config_from_diffattn=diffattn_config_to_diffllama,
+    state_from_diffattn=diffattn_state_to_diffllama,
+)
+"""HF DiffLlama ↔ diffattn DIFF V1: ``DIFFLLAMA.to_diffattn(src, out)`` and ``.from_diffattn``."""

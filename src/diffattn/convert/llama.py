@@ -13,8 +13,6 @@ rotary, attention or MLP biases, an activation other than SiLU) are refused with
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from diffattn.config import ModelConfig
@@ -44,24 +42,7 @@ def diffattn_config_to_llama(config: ModelConfig, ids: dict | None = None):
             f"ModelConfig.d_model={config.d_model} is not divisible by n_heads={config.n_heads}, "
             "which Hugging Face LlamaConfig requires (head_dim may differ, the ratio may not)"
         )
-    return transformers.LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.d_model,
-        intermediate_size=config.ffn_dim,
-        num_hidden_layers=config.n_layers,
-        num_attention_heads=config.n_heads,
-        num_key_value_heads=config.num_kv_heads,
-        head_dim=config.dim_per_head,
-        hidden_act="silu",
-        max_position_embeddings=config.max_seq_len,
-        initializer_range=config.init_std,
-        rms_norm_eps=config.norm_eps,
-        tie_word_embeddings=config.tie_embeddings,
-        rope_theta=float(config.rope_theta),
-        attention_bias=False,
-        mlp_bias=False,
-        **{k: (ids or {}).get(k) for k in common.TOKEN_ID_KEYS},
-    )
+    return transformers.LlamaConfig(**common.hf_config_fields(config, ids), mlp_bias=False)
 
 
 def llama_state_to_diffattn(
@@ -85,31 +66,12 @@ def diffattn_state_to_llama(
     return common.diffattn_state_to_hf(state, config)
 
 
-def hf_llama_to_diffattn(
-    src_dir: Path, out: Path, *, overwrite: bool = False, dtype: torch.dtype | None = None
-) -> Path:
-    """Convert an HF Llama directory into a diffattn baseline model directory."""
-    return common.convert_hf_to_diffattn(
-        src_dir,
-        out,
-        hf_config_name="LlamaConfig",
-        config_fn=llama_config_to_diffattn,
-        state_fn=llama_state_to_diffattn,
-        overwrite=overwrite,
-        dtype=dtype,
-    )
-
-
-def diffattn_to_hf_llama(
-    src_dir: Path, out: Path, *, overwrite: bool = False, dtype: torch.dtype | None = None
-) -> Path:
-    """Convert a diffattn baseline model directory into an HF Llama directory."""
-    return common.convert_diffattn_to_hf(
-        src_dir,
-        out,
-        hf_model_name="LlamaForCausalLM",
-        config_fn=diffattn_config_to_llama,
-        state_fn=diffattn_state_to_llama,
-        overwrite=overwrite,
-        dtype=dtype,
-    )
+LLAMA = common.HFFamily(
+    hf_config_name="LlamaConfig",
+    hf_model_name="LlamaForCausalLM",
+    config_to_diffattn=llama_config_to_diffattn,
+    state_to_diffattn=llama_state_to_diffattn,
+    config_from_diffattn=diffattn_config_to_llama,
+    state_from_diffattn=diffattn_state_to_llama,
+)
+"""HF Llama ↔ diffattn baseline: ``LLAMA.to_diffattn(src, out)`` and ``LLAMA.from_diffattn``."""
