@@ -1,10 +1,13 @@
 """A package facade whose names are imported when first used (PEP 562).
 
 A package ``__init__`` that imports every submodule makes ``import diffattn.train.config`` pay
-for the trainer, the data loader and numpy. With :func:`lazy_exports` the package lists where
-each public name lives, and the submodule is imported on the first access to one of its names::
+for the trainer, the data loader and numpy. With :func:`lazy_exports` the package lists the
+public names of each submodule, and the submodule is imported on the first access to one of
+them::
 
-    __getattr__, __dir__ = lazy_exports(globals(), {"train": "trainer", "TrainConfig": "config"})
+    __all__, __getattr__, __dir__ = lazy_exports(
+        globals(), {"trainer": ("Trainer", "train"), "config": ("TrainConfig",)}
+    )
 
 ``from diffattn.train import train`` then works as before, and a name that is not exported is
 Python's own ``AttributeError``/``ImportError``. This module imports nothing of diffattn.
@@ -18,12 +21,16 @@ from typing import Any
 
 
 def lazy_exports(
-    namespace: dict[str, Any], exports: Mapping[str, str]
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """The ``__getattr__`` and ``__dir__`` of the package whose ``globals()`` is ``namespace``:
-    ``exports`` maps each public name to the submodule (relative to the package) defining it.
-    A name, once imported, is stored in ``namespace`` so later accesses are plain lookups."""
+    namespace: dict[str, Any], modules: Mapping[str, tuple[str, ...]]
+) -> tuple[list[str], Callable[[str], Any], Callable[[], list[str]]]:
+    """The ``__all__``, ``__getattr__`` and ``__dir__`` of the package whose ``globals()`` is
+    ``namespace``: ``modules`` maps each submodule (relative to the package) to the public names
+    it defines. ``__all__`` lists those names sorted. A name, once imported, is stored in
+    ``namespace`` so later accesses are plain lookups."""
     package = namespace["__name__"]
+    exports = {name: module for module, names in modules.items() for name in names}
+    if len(exports) != sum(map(len, modules.values())):
+        raise ValueError(f"{package}: a name is exported from two submodules")
 
     def __getattr__(name: str) -> Any:
         module = exports.get(name)
@@ -36,4 +43,4 @@ def lazy_exports(
     def __dir__() -> list[str]:
         return sorted({*namespace, *exports})
 
-    return __getattr__, __dir__
+    return sorted(exports), __getattr__, __dir__

@@ -19,23 +19,20 @@ checkpoints) and rewrites the report; an ``OUT`` holding a different plan is ref
 
 from diffattn.lazy_exports import lazy_exports
 
-_EXPORTS = {
-    "ATTENTIONS": "plan",
-    "AXES": "plan",
-    "COUNTS": "plan",
-    "Point": "points",
-    "PowerLawFit": "fit",
-    "ScalingOptions": "plan",
-    "Share": "fit",
-    "default_recipe": "plan",
-    "fit_power_law": "fit",
-    "fit_results": "sweep",
-    "parse_size": "plan",
-    "plan_runs": "plan",
-    "run_scaling": "sweep",
-    "share_needed": "fit",
-}
-"""Each public name and the submodule that defines it (imported on first use)."""
-
-__all__ = list(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+__all__, __getattr__, __dir__ = lazy_exports(
+    globals(),
+    {
+        "fit": ("PowerLawFit", "Share", "fit_power_law", "share_needed"),
+        "plan": (
+            "ATTENTIONS",
+            "AXES",
+            "COUNTS",
+            "ScalingOptions",
+            "default_recipe",
+            "parse_size",
+            "plan_runs",
+        ),
+        "points": ("Point",),
+        "sweep": ("fit_results", "run_scaling"),
+    },
+)

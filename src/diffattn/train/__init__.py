@@ -18,35 +18,33 @@ and under ``torchrun``; see ``docs/training.md``.
 
 from diffattn.lazy_exports import lazy_exports
 
-_EXPORTS = {
-    "Callback": "trainer",
-    "ConfigError": "config",
-    "DistEnv": "distributed",
-    "Evaluation": "trainer",
-    "LRSchedule": "optim",
-    "ModelSection": "config",
-    "OptimSection": "config",
-    "ScheduleSection": "config",
-    "StepState": "trainer",
-    "TrainConfig": "config",
-    "TrainResult": "trainer",
-    "Trainer": "trainer",
-    "TrainingDiverged": "trainer",
-    "apply_overrides": "config",
-    "build_model": "parallel",
-    "build_optimizer": "optim",
-    "check_runtime": "config",
-    "dump_config": "config",
-    "evaluate": "trainer",
-    "load_config": "config",
-    "parallelize": "parallel",
-    "parameter_groups": "optim",
-    "read_env": "distributed",
-    "read_metrics": "metrics",
-    "shutdown": "distributed",
-    "train": "trainer",
-}
-"""Each public name and the submodule that defines it (imported on first use)."""
-
-__all__ = list(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+__all__, __getattr__, __dir__ = lazy_exports(
+    globals(),
+    {
+        "config": (
+            "ConfigError",
+            "ModelSection",
+            "OptimSection",
+            "ScheduleSection",
+            "TrainConfig",
+            "apply_overrides",
+            "check_runtime",
+            "dump_config",
+            "load_config",
+        ),
+        "distributed": ("DistEnv", "read_env", "shutdown"),
+        "metrics": ("read_metrics",),
+        "optim": ("LRSchedule", "build_optimizer", "parameter_groups"),
+        "parallel": ("build_model", "parallelize"),
+        "trainer": (
+            "Callback",
+            "Evaluation",
+            "StepState",
+            "TrainResult",
+            "Trainer",
+            "TrainingDiverged",
+            "evaluate",
+            "train",
+        ),
+    },
+)
