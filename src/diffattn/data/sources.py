@@ -272,6 +272,20 @@ class _Emitter:
                 self.stats.replaced_files += 1
         return text
 
+    def row(self, value: Any, where: str, holds: str) -> str | None:
+        """The text to yield for one row's ``value`` of a table (``None`` for a null, empty or
+        binary one); a value that is neither text nor bytes raises ``ValueError`` saying
+        ``f"{holds} <its type>, expected strings"``."""
+        if value is None:
+            return None
+        if not isinstance(value, bytes | bytearray | str):
+            raise ValueError(f"{holds} {type(value).__name__}, expected strings")
+        if isinstance(value, str):
+            text, replaced = value, 0
+        else:
+            text, replaced = decode(bytes(value), self.strict, lambda i: f"{where}, byte {i}")
+        return self.document(text, replaced, where) if text else None
+
 
 def _remaining_bytes(handle: BinaryIO, already: int) -> int:
     """``already`` plus the bytes left in ``handle``, counted in chunks (bounded memory)."""
@@ -405,12 +419,6 @@ def read_jsonl_file(
                     yield document
 
 
-def _row_text(value: bytes | str, strict: bool, where: str) -> tuple[str, int]:
-    if isinstance(value, str):
-        return value, 0
-    return decode(bytes(value), strict, lambda i: f"{where}, byte {i}")
-
-
 def read_parquet_file(
     path: str | os.PathLike[str],
     *,
@@ -438,18 +446,9 @@ def read_parquet_file(
     for batch in parquet.iter_batches(batch_size=batch_rows, columns=[text_field]):
         for value in batch.column(0).to_pylist():
             row += 1
-            if value is None:
-                continue
-            if not isinstance(value, bytes | bytearray | str):
-                raise ValueError(
-                    f"{path}: column {text_field!r} holds {type(value).__name__}, expected strings"
-                )
-            where = f"{path}: row {row}"
-            text, replaced = _row_text(value, strict, where)
-            if text:
-                document = emit.document(text, replaced, where)
-                if document is not None:
-                    yield document
+            document = emit.row(value, f"{path}: row {row}", f"{path}: column {text_field!r} holds")
+            if document is not None:
+                yield document
 
 
 def read_hf_dataset(
@@ -489,25 +488,17 @@ def read_hf_dataset(
 
     if columns is not None and text_field not in columns:
         raise missing(columns)
+    source = f"dataset 'hf:{parsed.name}'"
     for row, record in enumerate(dataset):
         # a streaming dataset may not know its columns before the first row (datasets < 3):
         # a column that the first row lacks is missing, never a run of silently skipped rows
         if row == 0 and columns is None and text_field not in record:
             raise missing(sorted(record))
-        value = record.get(text_field)
-        if value is None:
-            continue
-        if not isinstance(value, bytes | str):
-            raise ValueError(
-                f"dataset 'hf:{parsed.name}': field {text_field!r} holds "
-                f"{type(value).__name__}, expected strings"
-            )
-        where = f"dataset 'hf:{parsed.name}': row {row}"
-        text, replaced = _row_text(value, strict, where)
-        if text:
-            document = emit.document(text, replaced, where)
-            if document is not None:
-                yield document
+        document = emit.row(
+            record.get(text_field), f"{source}: row {row}", f"{source}: field {text_field!r} holds"
+        )
+        if document is not None:
+            yield document
 
 
 def read_file(
