@@ -31,6 +31,7 @@ import random
 import re
 import shutil
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -278,25 +279,24 @@ def to_safe(obj: Any) -> Any:
         return {_ARRAY_TAG: torch.from_numpy(array.copy()), "dtype": str(obj.dtype)}
     if isinstance(obj, np.generic):
         return obj.item()
-    if isinstance(obj, dict):
-        return {k: to_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [to_safe(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_safe(v) for v in obj)
-    return obj
+    return _map_items(obj, to_safe)
 
 
 def from_safe(obj: Any) -> Any:
+    if isinstance(obj, dict) and set(obj) == {_ARRAY_TAG, "dtype"}:
+        array, dtype = obj[_ARRAY_TAG].numpy(), np.dtype(obj["dtype"])
+        if dtype.kind == "u" and dtype.itemsize == 8:
+            return array.view(dtype)
+        return array.astype(dtype)
+    return _map_items(obj, from_safe)
+
+
+def _map_items(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """A dict, list or tuple rebuilt with ``fn`` applied to each value; anything else as is."""
     if isinstance(obj, dict):
-        if set(obj) == {_ARRAY_TAG, "dtype"}:
-            array, dtype = obj[_ARRAY_TAG].numpy(), np.dtype(obj["dtype"])
-            if dtype.kind == "u" and dtype.itemsize == 8:
-                return array.view(dtype)
-            return array.astype(dtype)
-        return {k: from_safe(v) for k, v in obj.items()}
+        return {k: fn(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [from_safe(v) for v in obj]
+        return [fn(v) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(from_safe(v) for v in obj)
+        return tuple(fn(v) for v in obj)
     return obj
