@@ -1,5 +1,6 @@
 """The settings classes of ``diffattn train``, ``scaling``, ``long-context`` and ``convert``:
-the parsed command line becomes the settings object, each option declared once."""
+the parsed command line becomes the settings object, each option declared once (``scaling``'s
+in :class:`~diffattn.scaling.ScalingOptions`: ``test_scaling_dex_settings.py``)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,6 @@ def test_resume_takes_a_positive_step(word, capsys):
 def test_the_defaults_of_every_command_are_those_of_its_settings():
     cases = [
         (TrainSettings, train_command.add_arguments, ["x"], {"config"}),
-        (scaling.ScalingSettings, scaling.add_arguments, [], set()),
         (convert.ConvertSettings, convert.add_arguments, ["a", "b"], {"src", "out"}),
     ]
     for cls, add_arguments, argv, given in cases:

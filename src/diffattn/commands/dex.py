@@ -4,8 +4,9 @@ MODEL is a Hugging Face model directory, a diffattn model directory, or ``smollm
 codes: 0 done; 1 the run diverged; 2 an invalid setting or unsupported model (one message).
 
 Each sub-command's options are declared once, as the fields of its settings class
-(:class:`SelectSettings`, :class:`TrainSettings`, :class:`MergeSettings`,
-:class:`CompareSettings`; the first, second and last share :class:`ModelSettings`), and each
+(:class:`SelectSettings`, :class:`MergeSettings`, :class:`CompareSettings`, and the library's
+:class:`~diffattn.dex.train.DexTrainOptions` for ``train``; all but ``merge`` share the
+library's :class:`~diffattn.dex.train.DexModelSettings`, here ``ModelSettings``), and each
 sub-command runs from its settings object (:func:`select`, :func:`train`, :func:`merge`,
 :func:`compare`).
 """
@@ -17,6 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
+from diffattn.dex.train import DexModelSettings as ModelSettings
+from diffattn.dex.train import DexTrainOptions
 from diffattn.settings import Settings, like, setting
 
 DESCRIPTION = (
@@ -36,25 +39,6 @@ def _k(value: float) -> int | float:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelSettings(Settings):
-    """What ``dex select``, ``dex train`` and ``dex compare`` share: the model, the
-    training-config overrides and the progress output."""
-
-    model: str = setting(
-        positional=True, help="HF model directory, diffattn model directory or smollm2"
-    )
-    overrides: tuple[str, ...] = setting(
-        (),
-        flag="--set",
-        action="append",
-        metavar="KEY=VALUE",
-        parse=tuple,
-        help="override a training-config entry, e.g. --set seq_len=128 --set data.max_bytes=1e6",
-    )
-    quiet: bool = setting(False, help="no progress output")
-
-
-@dataclass(frozen=True, kw_only=True)
 class SelectSettings(ModelSettings):
     """The settings of ``diffattn dex select``."""
 
@@ -65,19 +49,6 @@ class SelectSettings(ModelSettings):
     order: Literal["high", "low"] | None = setting(None)
     batches: int = setting(2, help="calibration batches")
     out: str | None = setting(None, help="JSON file for the selection")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainSettings(ModelSettings):
-    """The settings of ``diffattn dex train``."""
-
-    out: str = setting(required=True, help="run directory")
-    heads: str = setting("entropy", help="{default} (default), importance, all, or a JSON file")
-    steps: int = setting(100, help="optimizer steps")
-    lambda_init: str = setting("exp", help="{default} (default) or a number")
-    anneal_steps: int | None = setting(None, help="T of Eq.4 (default half)")
-    resume: bool = setting(False, help="continue the run in --out")
-    overwrite: bool = setting(False, help="replace a non-empty --out (another run)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +82,7 @@ class CompareSettings(ModelSettings):
 
 VERBS: dict[str, tuple[type[Settings], str]] = {
     "select": (SelectSettings, "score and select heads (entropy or importance)"),
-    "train": (TrainSettings, "train Dex with the diffattn trainer"),
+    "train": (DexTrainOptions, "train Dex with the diffattn trainer"),
     "merge": (MergeSettings, "fold a trained adapter into W_O, save a plain model"),
     "compare": (CompareSettings, "Dex vs LoRA-8/32 vs full fine-tuning"),
 }
@@ -150,7 +121,7 @@ def select(settings: SelectSettings) -> int:
         settings.out,
         settings.overrides,
         batches=settings.batches,
-        progress=not settings.quiet,
+        progress=settings.progress,
     )
     print(selection.format_table())
     if settings.out:
@@ -158,32 +129,11 @@ def select(settings: SelectSettings) -> int:
     return 0
 
 
-def train(settings: TrainSettings) -> int:
+def train(settings: DexTrainOptions) -> int:
     """``dex train``: train Dex, print the heads, the λs and the held-out loss."""
     from diffattn.dex import train as dex_train
 
-    result = dex_train.train_dex(
-        dex_train.DexTrainOptions(
-            model=settings.model,
-            out=settings.out,
-            heads=settings.heads,
-            steps=settings.steps,
-            lambda_init=settings.lambda_init,
-            anneal_steps=settings.anneal_steps,
-            overrides=list(settings.overrides),
-            resume=settings.resume,
-            progress=not settings.quiet,
-            overwrite=settings.overwrite,
-        )
-    )
-    print(result.heads.format_table())
-    print(dex_train.format_lambdas(result.lambdas))
-    print(
-        f"held-out loss: before {result.loss_before:.4f}, after {result.loss_after:.4f} "
-        f"({result.step} steps, {result.elapsed_s:.1f} s, "
-        f"{result.trainable_parameters:,} of {result.parameters:,} parameters trained)"
-    )
-    print(f"adapter: {result.adapter}\ncheckpoint: {result.checkpoint}")
+    print(dex_train.format_result(dex_train.train_dex(settings)))
     return 0
 
 
@@ -206,7 +156,7 @@ def compare(settings: CompareSettings) -> int:
     recipe = load_recipe(settings.recipe) if settings.recipe else {"set": [], "benchmarks": None}
     benchmarks = recipe["benchmarks"]
     if benchmarks is not None:
-        benchmarks.quiet = settings.quiet
+        benchmarks.quiet = not settings.progress
     steps = settings.steps
     if steps is None:
         steps = recipe.get("steps") or COMPARE_STEPS
@@ -216,7 +166,7 @@ def compare(settings: CompareSettings) -> int:
         steps,
         overrides=[*recipe["set"], *settings.overrides],
         methods=settings.methods or recipe.get("methods"),
-        progress=not settings.quiet,
+        progress=settings.progress,
         overwrite=settings.overwrite,
         benchmarks=benchmarks,
     )

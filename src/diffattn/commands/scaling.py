@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
-from dataclasses import dataclass
 
-from diffattn.scaling.plan import ATTENTIONS, AXES, COUNTS
-from diffattn.settings import Settings, setting
-from diffattn.train.cli import recipe_overrides
+from diffattn.scaling.plan import ScalingOptions
 
 DESCRIPTION = (
     "Train the Transformer baseline and DIFF at several model sizes (--axis params, DIFF V1 "
@@ -21,52 +17,19 @@ DESCRIPTION = (
 )
 
 
-@dataclass(frozen=True)
-class ScalingSettings(Settings):
-    """The options of ``diffattn scaling``, each declared once."""
-
-    out: str = setting("runs/scaling", help="output directory")
-    config: str | None = setting(None, help="a YAML recipe (default: the embedded scaling recipe)")
-    axis: str = setting("params", choices=AXES, help="x of the fit")
-    sizes: tuple[str, ...] = setting((), help="model sizes (--axis params)")
-    tokens: tuple[int, ...] = setting((), help="token counts (--axis tokens)")
-    attention: tuple[str, ...] = setting(
-        ATTENTIONS,
-        choices=ATTENTIONS,
-        help="attention types (baseline and at least one DIFF type; default: all three)",
-    )
-    count: str = setting(
-        "non_embedding",
-        choices=COUNTS,
-        help="N is the non-embedding (Kaplan et al., default) or the total parameter count",
-    )
-    steps: int | None = setting(None, help="optimizer steps per run")
-    device: str | None = setting(None, help="auto, cpu or cuda")
-    overrides: Sequence[str] = recipe_overrides(
-        "override a recipe value, e.g. --set optim.lr=1e-3 (repeatable)"
-    )
-    from_results: tuple[str, ...] | None = setting(
-        None,
-        metavar="PATH",
-        help="fit these run directories or .json/.csv files of (attention, x, loss) "
-        "instead of training",
-    )
-    overwrite: bool = setting(False, help="replace an OUT holding a different sweep")
-    quiet: bool = setting(False, help="no progress output")
-
-
-add_arguments = ScalingSettings.add_arguments
-"""Add the ``scaling`` verb's arguments to a parser."""
+add_arguments = ScalingOptions.add_arguments
+"""Add the ``scaling`` verb's arguments to a parser: the fields of the library's
+:class:`~diffattn.scaling.ScalingOptions`, each declared there once."""
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the sweep (or the fit alone) of a parsed command line."""
-    return run_settings(ScalingSettings.from_args(args))
+    return run_settings(ScalingOptions.from_args(args))
 
 
-def run_settings(settings: ScalingSettings) -> int:
+def run_settings(settings: ScalingOptions) -> int:
     """Run the sweep (or the fit alone); invalid settings raise ValueError before any work."""
-    from diffattn.scaling import ScalingOptions, fit_results, run_scaling
+    from diffattn.scaling import fit_results, run_scaling
 
     if settings.from_results is not None:
         training = [
@@ -87,23 +50,9 @@ def run_settings(settings: ScalingSettings) -> int:
             settings.out,
             axis=settings.axis,
             count=settings.count,
-            attentions=tuple(settings.attention),
-            progress=not settings.quiet,
+            attentions=settings.attentions,
+            progress=settings.progress,
         )
         return 0
-    options = ScalingOptions(
-        out=settings.out,
-        config=settings.config,
-        axis=settings.axis,
-        sizes=tuple(settings.sizes),
-        tokens=tuple(settings.tokens),
-        attentions=tuple(settings.attention),
-        overrides=list(settings.overrides),
-        steps=settings.steps,
-        device=settings.device,
-        count=settings.count,
-        overwrite=settings.overwrite,
-        progress=not settings.quiet,
-    )
-    run_scaling(options)
+    run_scaling(settings)
     return 0

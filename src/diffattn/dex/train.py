@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,7 @@ from diffattn.fileio import (
     read_json,
 )
 from diffattn.loading import ModelSource, load_model, resolve_source
+from diffattn.settings import Settings, setting
 
 RUN_SETTINGS_NAME = "dex_run.json"
 HEADS_NAME = "heads.json"
@@ -53,6 +55,53 @@ SUMMARY_NAME = "summary.json"
 WARMUP_RATIO = 0.03
 DEX_LR = 1e-4
 FULL_FT_LR = 1e-5
+
+
+# ----------------------------------------------------------------------------------------
+# the settings of a run (the options of ``diffattn dex``, each declared once)
+@dataclass(frozen=True, kw_only=True)
+class DexModelSettings(Settings):
+    """What every Dex run on a pretrained model takes (``dex select``, ``dex train`` and
+    ``dex compare`` share these options): the model, the training-config overrides and the
+    progress output."""
+
+    model: str = setting(
+        positional=True, help="HF model directory, diffattn model directory or smollm2"
+    )
+    overrides: Sequence[str] = setting(
+        (),
+        flag="--set",
+        action="append",
+        metavar="KEY=VALUE",
+        parse=tuple,
+        help="override a training-config entry, e.g. --set seq_len=128 --set data.max_bytes=1e6",
+    )
+    """``key=value`` entries as in ``diffattn train --set`` (:func:`base_config`)."""
+    progress: bool = setting(
+        True,
+        flag="--quiet",
+        dest="quiet",
+        cli_default=False,
+        parse=operator.not_,
+        help="no progress output",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DexTrainOptions(DexModelSettings):
+    """Settings of :func:`train_dex`: the options of ``diffattn dex train``."""
+
+    out: str = setting(required=True, help="run directory")
+    heads: str = setting("entropy", help="{default} (default), importance, all, or a JSON file")
+    """``entropy`` / ``importance`` (selected on training-split batches, half the heads,
+    the paper's default orders), ``all``, or a JSON file."""
+    steps: int = setting(100, help="optimizer steps")
+    lambda_init: str | float = setting("exp", help="{default} (default) or a number")
+    anneal_steps: int | None = setting(None, help="T of Eq.4 (default half)")
+    """T of Eq.4; ``None``: half the run."""
+    resume: bool = setting(False, help="continue the run in --out")
+    overwrite: bool = setting(False, help="replace a non-empty --out (another run)")
+    """Replace a non-empty ``out`` that is not continued with ``resume``."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -123,7 +172,7 @@ def base_config(
         raise ValueError(str(error)) from None
 
 
-def prepare(config: Any, progress: bool = True) -> Any:
+def prepare(config: Any, progress: bool = DexModelSettings.progress) -> Any:
     """The prepared (cached) token shards of ``config.data``."""
     from diffattn.data import prepare_data
 
@@ -198,26 +247,6 @@ def read_heads(spec: str, model: nn.Module) -> Any:
 
 # ----------------------------------------------------------------------------------------
 # dex train
-@dataclass
-class DexTrainOptions:
-    """Settings of :func:`train_dex` (the ``diffattn dex train`` options)."""
-
-    model: str
-    out: str
-    heads: str = "entropy"
-    """``entropy`` / ``importance`` (selected on training-split batches, half the heads,
-    the paper's default orders), ``all``, or a JSON file."""
-    steps: int = 100
-    lambda_init: str | float = "exp"
-    anneal_steps: int | None = None
-    """T of Eq.4; ``None``: half the run."""
-    overrides: list[str] = field(default_factory=list)
-    resume: bool = False
-    progress: bool = True
-    overwrite: bool = False
-    """Replace a non-empty ``out`` that is not continued with ``resume``."""
-
-
 @dataclass
 class DexTrainResult:
     out: Path
@@ -470,6 +499,18 @@ def format_lambdas(curve: list[tuple[int, list[float]]], rows: int = 8) -> str:
     return "\n".join(lines)
 
 
+def format_result(result: DexTrainResult) -> str:
+    """What ``dex train`` prints of a run: the heads, λ(t) per adapted layer, the held-out
+    loss before and after, and the adapter and checkpoint written."""
+    loss = (
+        f"held-out loss: before {result.loss_before:.4f}, after {result.loss_after:.4f} "
+        f"({result.step} steps, {result.elapsed_s:.1f} s, "
+        f"{result.trainable_parameters:,} of {result.parameters:,} parameters trained)"
+    )
+    files = f"adapter: {result.adapter}\ncheckpoint: {result.checkpoint}"
+    return "\n".join([result.heads.format_table(), format_lambdas(result.lambdas), loss, files])
+
+
 # ----------------------------------------------------------------------------------------
 # dex merge
 def find_adapter(path: str | Path) -> Path:
@@ -525,7 +566,7 @@ def select_run(
     out: str | Path | None,
     overrides: Sequence[str] = (),
     batches: int = 2,
-    progress: bool = True,
+    progress: bool = DexModelSettings.progress,
 ) -> Any:
     """Score and select heads of ``model`` on training-split batches (§3.2); save as JSON."""
     from diffattn.dex.selection import select_heads

@@ -14,10 +14,15 @@ to whole steps of ``global_batch_size × seq_len`` tokens.
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from diffattn.settings import Settings, setting
+from diffattn.train.cli import recipe_overrides
 
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
 AXES = ("params", "tokens")
@@ -75,25 +80,63 @@ class PlannedRun:
 
 
 @dataclass
-class ScalingOptions:
-    """What ``diffattn scaling`` runs; ``None`` keeps the recipe's value."""
+class ScalingOptions(Settings):
+    """What ``diffattn scaling`` runs, each option declared once (its command line comes from
+    these fields); ``None`` keeps the recipe's value."""
 
-    out: str | Path = "runs/scaling"
-    config: str | Path | None = None
+    out: str | Path = setting(  # noqa: RUF009 (a field, as every setting())
+        "runs/scaling", help="output directory"
+    )
+    config: str | Path | None = setting(  # noqa: RUF009 (a field, as every setting())
+        None, help="a YAML recipe (default: the embedded scaling recipe)"
+    )
     """A YAML recipe; default: the embedded ``recipes/scaling.yaml``."""
-    axis: str = "params"
-    sizes: tuple[str, ...] = ()
+    axis: str = setting("params", choices=AXES, help="x of the fit")
+    sizes: tuple[str, ...] = setting((), nargs="+", parse=tuple, help="model sizes (--axis params)")
     """Sizes of the params axis (at least 3)."""
-    tokens: tuple[int, ...] = ()
+    tokens: tuple[int, ...] = setting(
+        (), nargs="+", type=int, parse=tuple, help="token counts (--axis tokens)"
+    )
     """Token counts of the tokens axis (at least 3); the size is the recipe's model."""
-    attentions: tuple[str, ...] = ATTENTIONS
-    overrides: list[str] = field(default_factory=list)
-    steps: int | None = None
-    device: str | None = None
-    count: str = "non_embedding"
+    attentions: tuple[str, ...] = setting(
+        ATTENTIONS,
+        flag="--attention",
+        dest="attention",
+        nargs="+",
+        parse=tuple,
+        choices=ATTENTIONS,
+        help="attention types (baseline and at least one DIFF type; default: all three)",
+    )
+    count: str = setting(
+        "non_embedding",
+        choices=COUNTS,
+        help="N is the non-embedding (Kaplan et al., default) or the total parameter count",
+    )
     """Which parameter count is N: ``non_embedding`` (Kaplan et al.) or ``total``."""
-    overwrite: bool = False
-    progress: bool = True
+    steps: int | None = setting(None, help="optimizer steps per run")
+    device: str | None = setting(None, help="auto, cpu or cuda")
+    overrides: Sequence[str] = recipe_overrides(
+        "override a recipe value, e.g. --set optim.lr=1e-3 (repeatable)"
+    )
+    from_results: tuple[str, ...] | None = setting(
+        None,
+        metavar="PATH",
+        nargs="+",
+        parse=tuple,
+        help="fit these run directories or .json/.csv files of (attention, x, loss) "
+        "instead of training",
+    )
+    """What :func:`~diffattn.scaling.fit_results` fits instead of a sweep (``diffattn scaling
+    --from-results``); :func:`~diffattn.scaling.run_scaling` trains and ignores it."""
+    overwrite: bool = setting(False, help="replace an OUT holding a different sweep")
+    progress: bool = setting(
+        True,
+        flag="--quiet",
+        dest="quiet",
+        cli_default=False,
+        parse=operator.not_,
+        help="no progress output",
+    )
 
 
 def default_recipe() -> Path:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,14 +105,15 @@ def run_scaling(options: ScalingOptions) -> dict[str, Any]:
 
 
 def fit_results(
-    sources: list[str | Path],
+    sources: Sequence[str | Path],
     out: str | Path,
-    axis: str = "params",
-    count: str = "non_embedding",
-    attentions: tuple[str, ...] = ATTENTIONS,
-    progress: bool = True,
+    axis: str = ScalingOptions.axis,
+    count: str = ScalingOptions.count,
+    attentions: tuple[str, ...] = ScalingOptions.attentions,
+    progress: bool = ScalingOptions.progress,
 ) -> dict[str, Any]:
-    """Fit and report the points of finished runs or files (:func:`.points.read_points`)."""
+    """Fit and report the points of finished runs or files (:func:`.points.read_points`);
+    the defaults are those of :class:`~diffattn.scaling.ScalingOptions`."""
     from diffattn.scaling import report
 
     if axis not in AXES:
