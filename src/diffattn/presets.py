@@ -32,71 +32,42 @@ from diffattn.config import ModelConfig
 CL100K_VOCAB = 100_288
 LLAMA3_VOCAB = 128_256
 
+
+def _size(
+    vocab_size: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    head_dim: int,
+    max_seq_len: int,
+    **more: int,
+) -> dict[str, Any]:
+    """One row of the preset table: the fields every size states, then any others."""
+    return dict(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        head_dim=head_dim,
+        max_seq_len=max_seq_len,
+        **more,
+    )
+
+
+# fmt: off
 _PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=8192, d_model=128, n_layers=2, n_heads=8, head_dim=16, max_seq_len=512),
-    "small": dict(
-        vocab_size=8192, d_model=256, n_layers=4, n_heads=8, head_dim=32, max_seq_len=1024
-    ),
-    "0.4B": dict(
-        vocab_size=LLAMA3_VOCAB,
-        d_model=1024,
-        n_layers=16,
-        n_heads=16,
-        n_kv_heads=4,
-        head_dim=64,
-        ffn_hidden=4096,
-        max_seq_len=4096,
-    ),
-    "830M": dict(
-        vocab_size=CL100K_VOCAB,
-        d_model=1536,
-        n_layers=24,
-        n_heads=16,
-        head_dim=96,
-        max_seq_len=2048,
-    ),
-    "1.4B": dict(
-        vocab_size=CL100K_VOCAB,
-        d_model=2048,
-        n_layers=24,
-        n_heads=16,
-        head_dim=128,
-        max_seq_len=2048,
-    ),
-    "2.8B": dict(
-        vocab_size=CL100K_VOCAB,
-        d_model=2560,
-        n_layers=32,
-        n_heads=20,
-        head_dim=128,
-        max_seq_len=2048,
-    ),
-    "3B": dict(
-        vocab_size=CL100K_VOCAB,
-        d_model=3072,
-        n_layers=28,
-        n_heads=24,
-        head_dim=128,
-        ffn_hidden=8192,
-        max_seq_len=4096,
-    ),
-    "6.8B": dict(
-        vocab_size=CL100K_VOCAB,
-        d_model=4096,
-        n_layers=32,
-        n_heads=32,
-        head_dim=128,
-        max_seq_len=2048,
-    ),
-    "13.1B": dict(
-        vocab_size=CL100K_VOCAB,
-        d_model=5120,
-        n_layers=40,
-        n_heads=40,
-        head_dim=128,
-        max_seq_len=2048,
-    ),
+    #              vocabulary  d_model layers heads head_dim length  other fields
+    "tiny":  _size(8192,          128,  2,  8,  16,  512),
+    "small": _size(8192,          256,  4,  8,  32, 1024),
+    "0.4B":  _size(LLAMA3_VOCAB, 1024, 16, 16,  64, 4096, n_kv_heads=4, ffn_hidden=4096),
+    "830M":  _size(CL100K_VOCAB, 1536, 24, 16,  96, 2048),
+    "1.4B":  _size(CL100K_VOCAB, 2048, 24, 16, 128, 2048),
+    "2.8B":  _size(CL100K_VOCAB, 2560, 32, 20, 128, 2048),
+    "3B":    _size(CL100K_VOCAB, 3072, 28, 24, 128, 4096, ffn_hidden=8192),
+    "6.8B":  _size(CL100K_VOCAB, 4096, 32, 32, 128, 2048),
+    "13.1B": _size(CL100K_VOCAB, 5120, 40, 40, 128, 2048),
 }
+# fmt: on
 
 #: Sizes whose names are parameter counts from DIFF V1 Table 10.
 TABLE10_SIZES = ("830M", "1.4B", "2.8B", "6.8B", "13.1B")
