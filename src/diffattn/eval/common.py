@@ -19,7 +19,7 @@ import os
 import platform
 import random
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -297,6 +297,36 @@ def finish(
     return 0
 
 
+def command_main(
+    args: Any,
+    experiment: str,
+    settings_class: type[Settings],
+    run: Callable[..., dict[str, Any]],
+    report: Callable[[dict[str, Any]], str],
+    draw: Callable[[dict[str, Any], Path], Sequence[Path | None]],
+    fingerprint_key: str = "data_fingerprint",
+) -> int:
+    """The whole of a ``diffattn eval`` command: its settings from ``args``, its models,
+    ``run(models, settings)``, the figures ``draw(results, out)`` makes in ``--out``, then
+    :func:`finish` with ``report(results)`` and ``results[fingerprint_key]``."""
+    settings = settings_class.from_args(args)
+    models = models_from_args(args)
+    results = run(models, settings, quiet=args.quiet)
+    figures = draw(results, Path(args.out))
+    settings_report = settings.report()
+    fingerprint_value = results.get(fingerprint_key)
+    return finish(
+        args,
+        experiment,
+        results,
+        models,
+        report(results),
+        settings_report,
+        figures,
+        fingerprint_value,
+    )
+
+
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """A markdown table; floats get 4 significant digits."""
 
@@ -376,6 +406,32 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def one_axes(figsize: tuple[float, float] = (6, 4)) -> tuple[Any, Any]:
+    """A new figure with a single set of axes."""
+    return pyplot().subplots(figsize=figsize)
+
+
+def save_axes(
+    fig: Any,
+    ax: Any,
+    path: Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    grid: bool = True,
+    legend_size: float | None = None,
+) -> Path:
+    """Label ``ax``, draw its faint grid (unless ``grid`` is false) and legend, then
+    :func:`save_figure`."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if grid:
+        ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    return save_figure(fig, path)
 
 
 def save_figure(fig: Any, path: Path) -> Path:

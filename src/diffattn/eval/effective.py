@@ -33,12 +33,11 @@ import torch
 from diffattn.eval.common import (
     CommonOptions,
     EvalModel,
-    finish,
+    command_main,
     markdown_table,
-    models_from_args,
+    one_axes,
     progress,
-    pyplot,
-    save_figure,
+    save_axes,
 )
 from diffattn.eval.text import DataSettings, model_windows, open_documents
 from diffattn.settings import like, setting, shared
@@ -158,19 +157,22 @@ def run(
 
 
 def plot_agreement(results: dict[str, Any], path: Path) -> Path:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = one_axes()
     for name, r in results["models"].items():
         ax.scatter(
             [h["invisible_share"] for h in r["heads"]],
             [h["pinv_vs_optim_rel"] for h in r["heads"]],
             label=name,
         )
-    ax.set_xlabel("||A(I − VV⁺)|| / ||A||  (part of A that V cannot see)")
-    ax.set_ylabel("||X_optim − X_pinv|| / ||X_pinv||")
-    ax.set_title("Effective attention: pinv vs optimisation (Dex App. F.3)")
-    ax.legend()
-    return save_figure(fig, path)
+    return save_axes(
+        fig,
+        ax,
+        path,
+        "Effective attention: pinv vs optimisation (Dex App. F.3)",
+        "||A(I − VV⁺)|| / ||A||  (part of A that V cannot see)",
+        "||X_optim − X_pinv|| / ||X_pinv||",
+        grid=False,
+    )
 
 
 def report(results: dict[str, Any]) -> str:
@@ -213,9 +215,9 @@ def report(results: dict[str, Any]) -> str:
     )
 
 
+def figures(results: dict[str, Any], out: Path) -> list[Path]:
+    return [plot_agreement(results, out / "effective_agreement.png")]
+
+
 def main(args: Any) -> int:
-    settings = EffectiveSettings.from_args(args)
-    models = models_from_args(args)
-    results = run(models, settings, quiet=args.quiet)
-    figure = plot_agreement(results, Path(args.out) / "effective_agreement.png")
-    return finish(args, NAME, results, models, report(results), settings.report(), [figure])
+    return command_main(args, NAME, EffectiveSettings, run, report, figures)

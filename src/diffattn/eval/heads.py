@@ -44,8 +44,10 @@ from diffattn.eval.common import (
     finish,
     markdown_table,
     models_from_args,
+    one_axes,
     progress,
     pyplot,
+    save_axes,
     save_figure,
 )
 from diffattn.eval.text import WINDOW_BOUNDS, DataSettings, model_windows, open_documents, padded
@@ -473,16 +475,12 @@ def plot_dex(results: dict[str, Any], path: Path):
     series = {n: e["dex"] for n, e in results["models"].items() if e.get("dex")}
     if not series:
         return None
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5, 4))
+    fig, ax = one_axes(figsize=(5, 4))
     for name, points in series.items():
         ax.scatter([p["relative_norm"] for p in points], [p["cosine"] for p in points], label=name)
-    ax.set_xlabel("‖Δ‖ / ‖O‖")
-    ax.set_ylabel("cos(O, Δ)")
-    ax.set_title("What Dex adds to each adapted head (Dex Fig 11a)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return save_figure(fig, path)
+    return save_axes(
+        fig, ax, path, "What Dex adds to each adapted head (Dex Fig 11a)", "‖Δ‖ / ‖O‖", "cos(O, Δ)"
+    )
 
 
 def _mean_off_diagonal(matrix: torch.Tensor) -> float:

@@ -34,12 +34,11 @@ from diffattn.eval.common import (
     CommonOptions,
     EvalModel,
     batches,
-    finish,
+    command_main,
     markdown_table,
-    models_from_args,
+    one_axes,
     progress,
-    pyplot,
-    save_figure,
+    save_axes,
 )
 from diffattn.eval.text import WINDOW_BOUNDS, DataSettings, model_windows, open_documents, padded
 from diffattn.settings import like, setting, shared
@@ -219,18 +218,21 @@ def run(
 
 
 def plot_spectra(results: dict[str, Any], path: Path) -> Path:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = one_axes()
     for name, r in results["models"].items():
         ax.hist(
             r["eigenvalues"], bins=20, alpha=0.5, label=f"{name} ({r['negative_share']:.0%} < 0)"
         )
     ax.axvline(0.0, color="black", linewidth=0.8)
-    ax.set_xlabel("dominant Hessian eigenvalue of a batch")
-    ax.set_ylabel("batches")
-    ax.set_title("Hessian max eigenvalue spectra (Dex Fig 7)")
-    ax.legend()
-    return save_figure(fig, path)
+    return save_axes(
+        fig,
+        ax,
+        path,
+        "Hessian max eigenvalue spectra (Dex Fig 7)",
+        "dominant Hessian eigenvalue of a batch",
+        "batches",
+        grid=False,
+    )
 
 
 def report(results: dict[str, Any]) -> str:
@@ -255,9 +257,9 @@ def report(results: dict[str, Any]) -> str:
     )
 
 
+def figures(results: dict[str, Any], out: Path) -> list[Path]:
+    return [plot_spectra(results, out / "hessian_spectra.png")]
+
+
 def main(args: Any) -> int:
-    settings = HessianSettings.from_args(args)
-    models = models_from_args(args)
-    results = run(models, settings, quiet=args.quiet)
-    figure = plot_spectra(results, Path(args.out) / "hessian_spectra.png")
-    return finish(args, NAME, results, models, report(results), settings.report(), [figure])
+    return command_main(args, NAME, HessianSettings, run, report, figures)

@@ -46,13 +46,14 @@ from diffattn.eval.common import (
     EvalModel,
     TextTokenizer,
     batches,
+    command_main,
     fingerprint,
-    finish,
     markdown_table,
-    models_from_args,
+    one_axes,
     progress,
     pyplot,
     require_tokenizer,
+    save_axes,
     save_figure,
     seed_everything,
 )
@@ -400,8 +401,7 @@ def run(
 
 def plot_accuracy(results: dict[str, Any], path: Path) -> Path:
     """Accuracy against demonstrations per model and arrangement (DIFF V1 Fig 6)."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = one_axes(figsize=(6.5, 4))
     for name, r in results["models"].items():
         for arrangement, by_shot in r["summary"].items():
             points = sorted(
@@ -413,12 +413,15 @@ def plot_accuracy(results: dict[str, Any], path: Path) -> Path:
             ax.fill_between(xs, worst, best, color=line.get_color(), alpha=0.15)
     ax.axhline(results["chance"], color="grey", ls=":", label="chance")
     ax.set_xscale("log")
-    ax.set_xlabel("demonstrations (0 shots drawn at 0.5)")
-    ax.set_ylabel("accuracy")
-    ax.set_title(f"Many-shot ICL: {results['dataset']} (DIFF V1 Fig 6)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return save_figure(fig, path)
+    return save_axes(
+        fig,
+        ax,
+        path,
+        f"Many-shot ICL: {results['dataset']} (DIFF V1 Fig 6)",
+        "demonstrations (0 shots drawn at 0.5)",
+        "accuracy",
+        legend_size=8,
+    )
 
 
 def plot_robustness(results: dict[str, Any], path: Path) -> Path | None:
@@ -483,13 +486,12 @@ def report(results: dict[str, Any]) -> str:
     )
 
 
-def main(args: Any) -> int:
-    settings = IclSettings.from_args(args)
-    models = models_from_args(args)
-    results = run(models, settings, quiet=args.quiet)
-    out = Path(args.out)
-    figures = [
+def figures(results: dict[str, Any], out: Path) -> list[Path | None]:
+    return [
         plot_accuracy(results, out / "icl_accuracy.png"),
         plot_robustness(results, out / "icl_robustness.png"),
     ]
-    return finish(args, NAME, results, models, report(results), settings.report(), figures)
+
+
+def main(args: Any) -> int:
+    return command_main(args, NAME, IclSettings, run, report, figures)

@@ -39,12 +39,11 @@ import torch
 from diffattn.eval.common import (
     CommonOptions,
     EvalModel,
-    finish,
+    command_main,
     markdown_table,
-    models_from_args,
-    pyplot,
+    one_axes,
     require_tokenizer,
-    save_figure,
+    save_axes,
 )
 from diffattn.eval.text import (
     WINDOW_BOUNDS,
@@ -227,21 +226,21 @@ def run(
 
 
 def plot_cumulative(results: dict[str, Any], path: Path) -> Path | None:
-    plt = pyplot()
-
     curves = {n: r["cumulative_nll"] for n, r in results["models"].items() if r["cumulative_nll"]}
     if not curves:
         return None
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = one_axes()
     for name, curve in curves.items():
         ax.plot(range(1, len(curve) + 1), curve, label=name)
     ax.set_xscale("log")
-    ax.set_xlabel("position in document (tokens)")
-    ax.set_ylabel("cumulative mean NLL (nats)")
-    ax.set_title("Cumulative NLL by position (DIFF V1 Fig 4)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return save_figure(fig, path)
+    return save_axes(
+        fig,
+        ax,
+        path,
+        "Cumulative NLL by position (DIFF V1 Fig 4)",
+        "position in document (tokens)",
+        "cumulative mean NLL (nats)",
+    )
 
 
 def report(results: dict[str, Any]) -> str:
@@ -277,9 +276,9 @@ def report(results: dict[str, Any]) -> str:
     )
 
 
+def figures(results: dict[str, Any], out: Path) -> list[Path | None]:
+    return [plot_cumulative(results, out / "cumulative_nll.png")]
+
+
 def main(args: Any) -> int:
-    settings = LossSettings.from_args(args)
-    models = models_from_args(args)
-    results = run(models, settings, quiet=args.quiet)
-    figure = plot_cumulative(results, Path(args.out) / "cumulative_nll.png")
-    return finish(args, NAME, results, models, report(results), settings.report(), [figure])
+    return command_main(args, NAME, LossSettings, run, report, figures)

@@ -75,10 +75,9 @@ from diffattn.eval.common import (
     EvalModel,
     TextTokenizer,
     batches,
+    command_main,
     fingerprint,
-    finish,
     markdown_table,
-    models_from_args,
     progress,
     pyplot,
     require_tokenizer,
@@ -626,22 +625,13 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "model"
 
 
-def main(args: Any) -> int:
-    settings = NeedleSettings.from_args(args)
-    models = models_from_args(args)
-    results = run(models, settings, quiet=args.quiet)
-    out = Path(args.out)
-    figures = [
+def figures(results: dict[str, Any], out: Path) -> list[Path]:
+    """One accuracy heatmap per model."""
+    return [
         plot_heatmap(name, r, out / f"needle_{_safe(name)}.png")
         for name, r in results["models"].items()
     ]
-    return finish(
-        args,
-        NAME,
-        results,
-        models,
-        report(results),
-        settings.report(),
-        figures,
-        data_fingerprint=results["samples_fingerprint"],
-    )
+
+
+def main(args: Any) -> int:
+    return command_main(args, NAME, NeedleSettings, run, report, figures, "samples_fingerprint")

@@ -36,11 +36,12 @@ from diffattn.eval.common import (
     CommonOptions,
     EvalModel,
     batches,
-    finish,
+    command_main,
     markdown_table,
-    models_from_args,
+    one_axes,
     progress,
     pyplot,
+    save_axes,
     save_figure,
 )
 from diffattn.eval.text import (
@@ -206,19 +207,20 @@ def plot_topk(results: dict[str, Any], path: Path) -> Path:
 
 def plot_bits(results: dict[str, Any], path: Path) -> Path:
     """Loss against the bit width of the attention logits, one line per model."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = one_axes()
     for name, entry in results["models"].items():
         points = sorted((int(b), v) for b, v in entry["quantized_loss"].items())
         ax.plot([b for b, _ in points], [v for _, v in points], marker="o", label=name)
     ax.invert_xaxis()
     ax.set_xticks(sorted(int(b) for b in results["bits"]))
-    ax.set_xlabel("bits of attention logits (16 = unquantized)")
-    ax.set_ylabel("loss (nats)")
-    ax.set_title("Low-bit attention logits (DIFF V1 Fig 8)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    return save_figure(fig, path)
+    return save_axes(
+        fig,
+        ax,
+        path,
+        "Low-bit attention logits (DIFF V1 Fig 8)",
+        "bits of attention logits (16 = unquantized)",
+        "loss (nats)",
+    )
 
 
 def report(results: dict[str, Any]) -> str:
@@ -244,13 +246,12 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def main(args: Any) -> int:
-    settings = OutliersSettings.from_args(args)
-    models = models_from_args(args)
-    results = run(models, settings, quiet=args.quiet)
-    out = Path(args.out)
-    figures = [
+def figures(results: dict[str, Any], out: Path) -> list[Path]:
+    return [
         plot_topk(results, out / "outliers_topk.png"),
         plot_bits(results, out / "quantized_loss.png"),
     ]
-    return finish(args, NAME, results, models, report(results), settings.report(), figures)
+
+
+def main(args: Any) -> int:
+    return command_main(args, NAME, OutliersSettings, run, report, figures)
