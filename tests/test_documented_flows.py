@@ -288,9 +288,6 @@ FLOWS: tuple[Flow, ...] = (
         "docs/eval.md",
         f"diffattn dex train runs/compare/runs/baseline-seed0/checkpoints/{COMPARE_STEP}",
         replace=(*IN_COMPARE, ("--steps 40", "--steps 2")),
-        xfail="diffattn eval effective no longer takes a dex train run directory: it resolves "
-        "runs/dex-baseline to its newest checkpoint, which holds no model (the run's adapter/ "
-        "works)",
     ),
     Flow("docs/eval.md", "diffattn eval icl MODEL", synopsis="eval icl"),
     Flow(

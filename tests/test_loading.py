@@ -76,6 +76,8 @@ def test_dex_adapter_and_run_directories(tmp_path):
     run = tmp_path / "run"
     dex.save_adapter(trained, run / "adapter")
     (run / "dex_run.json").write_text(json.dumps({"model": str(base)}))
+    # dex train's own training checkpoints beside the adapter: the run is no diffattn train run
+    (run / "checkpoints" / "step-00000004").mkdir(parents=True)
 
     model, tokenizer, source = load_model_and_tokenizer(run)  # base from dex_run.json
     assert (source.kind, source.path, source.base.path) == ("dex", run / "adapter", base)

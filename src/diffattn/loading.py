@@ -137,7 +137,8 @@ def training_run_checkpoint(spec: str | os.PathLike) -> Path | None:
     """The checkpoint a ``diffattn train`` run stands for: ``RUN@STEP`` is that step's
     checkpoint, ``RUN`` (a directory holding ``checkpoints/`` and no ``config.json``) its
     ``final`` one (the run reached its steps), else its newest complete one; ``None`` when
-    ``spec`` names no run.
+    ``spec`` names no run, or a ``dex train`` run (``dex_run.json``), whose model is its
+    ``adapter/`` on the base model it names.
 
     Raises:
         CheckpointError: the run has no complete checkpoint, or none of that step (the error
@@ -162,6 +163,8 @@ def training_run_checkpoint(spec: str | os.PathLike) -> Path | None:
             )
         return found[int(step)]
     path = Path(text).expanduser()
+    if (path / DEX_RUN_SETTINGS_NAME).is_file():
+        return None  # a ``dex train`` run: its model is the adapter/ it holds
     if (path / CHECKPOINTS_DIRNAME).is_dir() and not (path / CONFIG_NAME).is_file():
         final = read_entry(path / CHECKPOINTS_DIRNAME, FINAL_ENTRY)
         if final is not None:
