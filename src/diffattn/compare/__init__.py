@@ -28,17 +28,22 @@ checkpoints) and rewrites the report; an ``OUT`` holding a different plan is ref
 
 from __future__ import annotations
 
+import argparse
+import operator
 import time
+import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
 from functools import partial
 from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from diffattn.compare.evaluate import EvalSettings
+from diffattn.compare.evaluate import EvalSettings, MeasurementOptions
 from diffattn.compare.report import RunSummary, summarise_run, write_report
+from diffattn.settings import Settings, setting
+from diffattn.train.cli import recipe_overrides
 
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
 PARTS = ("all", "lm", "retrieval")
@@ -47,33 +52,113 @@ RETRIEVAL_KEY = "retrieval"
 
 
 @dataclass
-class CompareOptions:
-    """What ``diffattn compare`` runs; ``None`` keeps the recipe's value."""
+class CompareOptions(Settings):
+    """What ``diffattn compare`` runs, each setting declared once with its option
+    (:meth:`add_arguments`); ``None`` keeps the recipe's value. ``attentions`` and
+    ``overrides`` given as lists are kept as tuples, as the command line gives them."""
 
-    out: str | Path = "runs/compare"
-    config: str | Path | None = None
+    out: str | Path = setting(  # noqa: RUF009 (a field, as every setting())
+        "runs/compare", help="output directory"
+    )
+    part: str = setting(
+        "all",
+        choices=PARTS,
+        help="lm: language modelling; retrieval: the token-level retrieval experiment "
+        "(scale it with --set retrieval.steps=..., retrieval.seeds=..., retrieval.grid=[...]); "
+        "all: both (default)",
+    )
+    """``lm`` (language modelling), ``retrieval`` (the retrieval experiment) or ``all``."""
+    config: str | Path | None = setting(  # noqa: RUF009 (a field, as every setting())
+        None, help="a YAML recipe (default: the embedded compare recipe)"
+    )
     """A YAML recipe (see ``configs/``); default: the embedded ``recipes/compare.yaml``."""
-    overrides: list[str] = field(default_factory=list)
-    """``key.sub=value`` overrides applied to the recipe."""
-    attentions: tuple[str, ...] = ATTENTIONS
-    seeds: int = 3
+    steps: int | None = setting(
+        None, help="optimizer steps per language-modelling run (retrieval: --set retrieval.steps=N)"
+    )
+    preset: str | None = setting(None, help="model preset (see `diffattn presets`)")
+    seeds: int = setting(
+        3,
+        help="seeds per model in the language-modelling part (default {default}; verdicts need "
+        ">= 2; the retrieval part's: --set retrieval.seeds=N)",
+    )
     """Number of seeds: ``seed, seed + 1, ...`` from the recipe's seed; the claims are judged
     on the spread over seeds, so fewer than 2 leaves every verdict inconclusive."""
-    steps: int | None = None
-    preset: str | None = None
-    device: str | None = None
-    overwrite: bool = False
-    progress: bool = True
-    jobs: int | None = None
+    jobs: int | None = setting(
+        None,
+        help="runs trained side by side (default: one per CPU core, one thread each; on CUDA one "
+        "per visible device, each worker on its own device, at most devices × --jobs-per-device)",
+    )
     """Runs trained side by side (``None``: automatic, see :func:`resolve_jobs`); on CUDA each
     worker holds its own device (:mod:`diffattn.compare.devices`)."""
-    jobs_per_device: int = 1
+    jobs_per_device: int = setting(
+        1,
+        metavar="K",
+        help="CUDA only: let K runs share each device (default {default}), so --jobs may reach "
+        "devices × K",
+    )
     """On CUDA, how many runs may share one device (``--jobs`` up to devices × this)."""
-    evaluate: bool = True
+    evaluate: bool = setting(
+        True,
+        flag="--no-eval",
+        help="train and report losses only: no measurements, no claims table",
+    )
     """Measure every trained model (:mod:`diffattn.compare.evaluate`) and judge the claims."""
     eval_settings: EvalSettings = field(default_factory=EvalSettings)
-    part: str = "all"
-    """``lm`` (language modelling), ``retrieval`` (the retrieval experiment) or ``all``."""
+    """What is measured; on the command line, the options of :class:`MeasurementOptions`."""
+    device: str | None = setting(None, help="auto, cpu or cuda (both parts)")
+    attentions: tuple[str, ...] = setting(
+        ATTENTIONS,
+        flag="--attention",
+        dest="attention",
+        choices=ATTENTIONS,
+        help="attention types to compare (default: all three)",
+    )
+    overrides: Sequence[str] = recipe_overrides(
+        "override a recipe value, e.g. --set optim.lr=1e-3 (repeatable)"
+    )
+    """``key.sub=value`` overrides applied to the recipe."""
+    overwrite: bool = setting(False, help="replace an OUT holding a different comparison")
+    progress: bool = setting(
+        True,
+        flag="--quiet",
+        dest="quiet",
+        cli_default=False,
+        parse=operator.not_,
+        help="no progress output",
+    )
+
+    def __post_init__(self) -> None:
+        self.attentions = tuple(self.attentions)
+        self.overrides = tuple(self.overrides)
+
+    @classmethod
+    def add_arguments(cls, parser: Any) -> None:
+        """The options of ``diffattn compare``: each setting's, in field order
+        (:meth:`Settings.add_arguments`), with :class:`MeasurementOptions`' in place of
+        ``eval_settings``."""
+        names = [f.name for f in fields(cls)]
+        at = names.index("eval_settings")
+        _settings_named(cls, names[:at]).add_arguments(parser)
+        MeasurementOptions.add_arguments(parser)
+        _settings_named(cls, names[at + 1 :]).add_arguments(parser)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> CompareOptions:
+        """The options of a parsed command line (``eval_settings`` from
+        :class:`MeasurementOptions`)."""
+        measured = MeasurementOptions.from_args(args).eval_settings()
+        return super().from_args(argparse.Namespace(**vars(args), eval_settings=measured))
+
+
+def _settings_named(cls: type[Settings], names: Sequence[str]) -> type[Settings]:
+    """The settings class of ``cls``' settings ``names`` alone (to add their options)."""
+    hints = typing.get_type_hints(cls)
+    kept = [
+        (f.name, hints[f.name], field(default=f.default, metadata=f.metadata))
+        for f in fields(cls)
+        if f.name in names
+    ]
+    return make_dataclass(cls.__name__, kept, bases=(Settings,), frozen=True)
 
 
 @dataclass
@@ -415,6 +500,7 @@ __all__ = [
     "PARTS",
     "CompareOptions",
     "CompareResult",
+    "MeasurementOptions",
     "default_recipe",
     "run_compare",
 ]

@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from diffattn.settings import Settings, setting
+
 EVAL_NAME = "eval.json"
 
 
@@ -91,6 +93,30 @@ class EvalSettings:
             if key in data:
                 data[key] = tuple(data[key])
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class MeasurementOptions(Settings):
+    """The options of ``diffattn compare`` that set :class:`EvalSettings` (its
+    ``eval_settings``), defaulting to its own."""
+
+    needle_samples: int = setting(
+        EvalSettings.needle_samples,
+        cli_default=None,
+        parse=int,
+        type=int,
+        help="needle prompts per (depth, N, R) cell (default {default})",
+    )
+    eval_tokens: int | None = setting(
+        EvalSettings.max_tokens,
+        help="held-out tokens for loss, outliers and quantization (default: the trainer's "
+        "validation windows, eval_batches × eval_batch_size × seq_len)",
+    )
+
+    def eval_settings(self) -> EvalSettings:
+        """What is measured: :class:`EvalSettings` with ``needle_samples`` and ``max_tokens``
+        these options'."""
+        return EvalSettings(needle_samples=self.needle_samples, max_tokens=self.eval_tokens)
 
 
 @dataclass
