@@ -22,6 +22,15 @@ def _pyplot():
     return plt
 
 
+def save(fig: Any, path: Path) -> Path:
+    """Write ``fig`` to ``path`` (PNG, 120 dpi), close it and return ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _smooth(values: list[float], weight: float = 0.8) -> list[float]:
     """Exponential moving average (the usual display smoothing of training curves)."""
     out, level = [], None
@@ -52,10 +61,7 @@ def plot_losses(out: Path, runs: list[Any]) -> Path | None:
     for ax in (ax_train, ax_val):
         ax.grid(alpha=0.3)
         ax.legend()
-    path = out / "loss_curves.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out / "loss_curves.png")
 
 
 def plot_lambda(out: Path, runs: list[Any]) -> Path | None:
@@ -80,10 +86,7 @@ def plot_lambda(out: Path, runs: list[Any]) -> Path | None:
         ax.set(title=f"{NAMES.get(attention, attention)}: {what}", xlabel="step", ylabel="λ")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    path = out / "lambda.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out / "lambda.png")
 
 
 EVAL_PANELS = (
@@ -130,7 +133,4 @@ def plot_evals(out: Path, per_seed: dict[str, list[dict[str, Any]]]) -> Path | N
     axes[0].set_xlabel("needles (N, R) and associative recall")
     axes[2].set_xlabel("bits")
     axes[0].legend(fontsize="small")
-    path = out / "evals.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out / "evals.png")

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from diffattn.compare.plots import COLOURS, _pyplot
+from diffattn.compare.plots import COLOURS, _pyplot, save
 from diffattn.compare.report import NAMES, device_lines
 
 
@@ -185,10 +185,7 @@ def plot_accuracy(
     ax.set_xticks(grid)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    path = out / "retrieval_accuracy.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out / "retrieval_accuracy.png")
 
 
 def plot_attention(out: Path, per_type: dict[str, list[dict[str, Any]]]) -> Path | None:
@@ -229,7 +226,4 @@ def plot_attention(out: Path, per_type: dict[str, list[dict[str, Any]]]) -> Path
     axes[-1, 0].set_xlabel(
         f"key position (one test episode with {next(iter(examples.values()))['pairs']} pairs)"
     )
-    path = out / "retrieval_attention.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, out / "retrieval_attention.png")
