@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from diffattn.data.synthetic import RetrievalTask
+
 RESULT_NAME = "retrieval.json"
 
 
@@ -40,14 +42,14 @@ RESULT_NAME = "retrieval.json"
 class RetrievalSettings:
     """Everything the experiment does (the ``retrieval:`` section of the compare recipe)."""
 
-    # task (diffattn.data.synthetic.RetrievalTask)
+    # task (diffattn.data.synthetic.RetrievalTask: its defaults, but a shorter context)
     context: int = 32
-    queries: int = 4
-    lookalikes: int = 1
-    filler: int = 16
-    prefixes: int = 8
-    suffixes: int = 16
-    values: int = 32
+    queries: int = RetrievalTask.queries
+    lookalikes: int = RetrievalTask.lookalikes
+    filler: int = RetrievalTask.filler
+    prefixes: int = RetrievalTask.prefixes
+    suffixes: int = RetrievalTask.suffixes
+    values: int = RetrievalTask.values
     grid: tuple[int, ...] = (4, 6, 8, 10)
     """Pair counts measured (the difficulty axis); training draws from the same range."""
     # model (the recipe's preset, resized) and training
@@ -58,12 +60,17 @@ class RetrievalSettings:
     """Baseline heads; DIFF V1 pairs them, DIFF V2 doubles its query heads (match_params)."""
     steps: int = 900
     batch_size: int = 32
+    """Episodes per optimizer step."""
     lr: float = 3e-3
     warmup: int = 30
     min_lr_ratio: float = 0.1
+    """Peak learning rate, reached linearly over ``warmup`` steps, then cosine decay to
+    ``min_lr_ratio`` × ``lr`` at ``steps``."""
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     clip: float = 1.0
+    """AdamW's weight decay and betas (DIFF V1 App. D); the gradient norm is clipped to
+    ``clip``."""
     # measurement
     test_episodes: int = 64
     """Test episodes per grid point (each asks every one of its queries)."""
@@ -109,18 +116,9 @@ class RetrievalSettings:
         except TypeError as error:
             raise ValueError(f"retrieval: {error}") from None
 
-    def task(self):
-        from diffattn.data.synthetic import RetrievalTask
-
-        return RetrievalTask(
-            context=self.context,
-            queries=self.queries,
-            lookalikes=self.lookalikes,
-            filler=self.filler,
-            prefixes=self.prefixes,
-            suffixes=self.suffixes,
-            values=self.values,
-        )
+    def task(self) -> RetrievalTask:
+        """The task these settings describe (their fields of :class:`RetrievalTask`)."""
+        return RetrievalTask(**{f.name: getattr(self, f.name) for f in fields(RetrievalTask)})
 
     def train_pairs(self) -> list[int]:
         """Pair counts training draws from: every count from the grid's smallest to largest."""
