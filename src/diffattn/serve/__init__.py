@@ -8,6 +8,6 @@ Needs the ``serve`` extra: ``pip install 'diffattn[serve]'``. Usage: ``docs/serv
 
 from __future__ import annotations
 
-from diffattn.serve.options import ServeOptions, parse_options
+from diffattn.serve.options import ServeOptions, ServeSettings, parse_options
 
-__all__ = ["ServeOptions", "parse_options"]
+__all__ = ["ServeOptions", "ServeSettings", "parse_options"]

