@@ -50,7 +50,8 @@ from diffattn.eval.common import (
     save_axes,
     save_figure,
 )
-from diffattn.eval.text import WINDOW_BOUNDS, DataSettings, model_windows, open_documents, padded
+from diffattn.eval.text import WINDOW_BOUNDS, DataSettings, measure_windows, padded
+from diffattn.eval.text import model_windows as model_windows  # importable from here too
 from diffattn.probe import AttentionEntropy, Capture, HeadOutputs, Probe
 from diffattn.settings import like, setting, shared
 
@@ -402,12 +403,12 @@ def run(
     ``settings``, or its fields by name (``run(models, seq_len=256)``)."""
     settings = HeadsSettings.given(settings, changes)
     settings.check()
-    docs, results = open_documents(settings, settings.seed)
-    seq_len, max_tokens, batch_size = settings.seq_len, settings.max_tokens, settings.batch_size
-    results["epsilons"] = [f"{eps:g}" for eps in EPSILONS]
-    for model in models:
-        pieces = model_windows(model, docs, seq_len, max_tokens)
-        results["models"][model.name] = analyse_model(model, pieces, batch_size, quiet)
+
+    def measure(model: EvalModel, pieces: list[list[int]]) -> dict[str, Any]:
+        return analyse_model(model, pieces, settings.batch_size, quiet)
+
+    results = measure_windows(models, settings, settings.seed, measure)
+    results["epsilons"] = [f"{eps:g}" for eps in EPSILONS]  # after "data_fingerprint"
     return results
 
 
@@ -427,6 +428,25 @@ def _integer_ticks(ax: Any, shape: Sequence[int]) -> None:
         axis.set_ticks(range(0, n, max(1, math.ceil(n / 16))))
 
 
+def _plot_panels(
+    panels: Sequence[tuple[str, Any]], title: str, ylabel: str, path: Path, **imshow: Any
+) -> Path | None:
+    """One image per ``(name, matrix)`` panel, heads along x and ``ylabel`` along y, each with
+    its colour bar; ``None`` without panels."""
+    if not panels:
+        return None
+    fig, axes = _grid(len(panels), title)
+    for ax, (name, value) in zip(axes, panels, strict=True):
+        value = torch.as_tensor(value).double()
+        image = ax.imshow(value.numpy(), **imshow)
+        _integer_ticks(ax, value.shape)
+        ax.set_xlabel("head")
+        ax.set_ylabel(ylabel)
+        ax.set_title(name)
+        fig.colorbar(image, ax=ax)
+    return save_figure(fig, path)
+
+
 def plot_heatmaps(results: dict[str, Any], key: str, sub: str | None, title: str, path: Path):
     """Layer × head heatmap of ``results["models"][*][key]`` (``[sub]``), one panel per model."""
     panels = []
@@ -436,17 +456,7 @@ def plot_heatmaps(results: dict[str, Any], key: str, sub: str | None, title: str
             value = value.get(sub)
         if value is not None:
             panels.append((name, torch.as_tensor(value, dtype=torch.float64)))
-    if not panels:
-        return None
-    fig, axes = _grid(len(panels), title)
-    for ax, (name, value) in zip(axes, panels, strict=True):
-        image = ax.imshow(value.numpy(), aspect="auto", cmap="viridis")
-        _integer_ticks(ax, value.shape)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_title(name)
-        fig.colorbar(image, ax=ax)
-    return save_figure(fig, path)
+    return _plot_panels(panels, title, "layer", path, aspect="auto", cmap="viridis")
 
 
 def plot_matrices(results: dict[str, Any], key: str, layer: int, title: str, path: Path):
@@ -456,18 +466,7 @@ def plot_matrices(results: dict[str, Any], key: str, layer: int, title: str, pat
         for name, entry in results["models"].items()
         if layer in entry[key]
     ]
-    if not panels:
-        return None
-    fig, axes = _grid(len(panels), f"{title}, layer {layer}")
-    for ax, (name, value) in zip(axes, panels, strict=True):
-        value = torch.as_tensor(value).double()
-        image = ax.imshow(value.numpy(), cmap="magma", vmin=0.0)
-        _integer_ticks(ax, value.shape)
-        ax.set_xlabel("head")
-        ax.set_ylabel("head")
-        ax.set_title(name)
-        fig.colorbar(image, ax=ax)
-    return save_figure(fig, path)
+    return _plot_panels(panels, f"{title}, layer {layer}", "head", path, cmap="magma", vmin=0.0)
 
 
 def plot_dex(results: dict[str, Any], path: Path):

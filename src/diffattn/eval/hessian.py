@@ -33,14 +33,12 @@ import torch
 from diffattn.eval.common import (
     CommonOptions,
     EvalModel,
-    batches,
     command_main,
     markdown_table,
     one_axes,
-    progress,
     save_axes,
 )
-from diffattn.eval.text import WINDOW_BOUNDS, DataSettings, model_windows, open_documents, padded
+from diffattn.eval.text import WINDOW_BOUNDS, DataSettings, measure_windows, padded_batches
 from diffattn.settings import like, setting, shared
 
 NAME = "hessian"
@@ -157,17 +155,18 @@ def model_spectrum(
     from diffattn.probe import eval_mode, token_nll
 
     chosen = chosen_parameters(model.model, params)
-    groups = list(batches(pieces, batch_size))[:n_batches]
-    if len(groups) < n_batches:
+    available = math.ceil(len(pieces) / batch_size)
+    if available < n_batches:
         raise ValueError(
-            f"{model.name}: only {len(groups)} batches of {batch_size} windows in the token "
+            f"{model.name}: only {available} batches of {batch_size} windows in the token "
             f"budget; lower --batches or raise --max-tokens"
         )
+    pieces = pieces[: n_batches * batch_size]
+    label = f"hessian {model.name}"
     generator = torch.Generator().manual_seed(seed)
     values, steps = [], []
     with eval_mode(model.model), explicit_attention(model.model), torch.enable_grad():
-        for group in progress(groups, len(groups), f"hessian {model.name}", quiet):
-            ids, mask = padded(group, model.device)
+        for _, ids, mask in padded_batches(model, pieces, batch_size, label, quiet):
 
             def loss_fn(ids=ids, mask=mask):
                 logits = model.model(input_ids=ids, attention_mask=mask).logits
@@ -200,10 +199,9 @@ def run(
     its fields by name: ``run(models, batches=4)``)."""
     settings = HessianSettings.given(settings, changes)
     settings.check()
-    docs, results = open_documents(settings, settings.seed)
-    for model in models:
-        pieces = model_windows(model, docs, settings.seq_len, settings.max_tokens)
-        results["models"][model.name] = model_spectrum(
+
+    def spectrum(model: EvalModel, pieces: list[list[int]]) -> dict[str, Any]:
+        return model_spectrum(
             model,
             pieces,
             settings.batches,
@@ -214,7 +212,8 @@ def run(
             settings.seed,
             quiet,
         )
-    return results
+
+    return measure_windows(models, settings, settings.seed, spectrum)
 
 
 def plot_spectra(results: dict[str, Any], path: Path) -> Path:

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from diffattn.eval.common import EvalModel, batches, progress, require_tokenizer
-from diffattn.eval.text import context_limit, padded
+from diffattn.eval.common import EvalModel, require_tokenizer
+from diffattn.eval.text import context_limit, padded_batches
 
 DEFAULT_MAX_LENGTH = 2048
 """The context length used when a model's config names none (the harness's default)."""
@@ -126,9 +126,8 @@ def score(
     for index, (ids, _) in enumerate(encoded):
         waiting.setdefault(owner[ids], []).append(index)
     results: list[Score | None] = [None] * len(requests)
-    groups = list(batches(leaves, batch_size))
-    for group in progress(groups, len(groups), desc or f"score {model.name}", quiet):
-        ids, mask = padded(group, model.device)
+    label = desc or f"score {model.name}"
+    for group, ids, mask in padded_batches(model, leaves, batch_size, label, quiet):
         logits = model.model(input_ids=ids, attention_mask=mask).logits
         for row, leaf in enumerate(group):
             log_probs = F.log_softmax(logits[row, : len(leaf)].float(), dim=-1)

@@ -35,11 +35,9 @@ import torch
 from diffattn.eval.common import (
     CommonOptions,
     EvalModel,
-    batches,
     command_main,
     markdown_table,
     one_axes,
-    progress,
     pyplot,
     save_axes,
     save_figure,
@@ -47,11 +45,12 @@ from diffattn.eval.common import (
 from diffattn.eval.text import (
     WINDOW_BOUNDS,
     DataSettings,
-    model_windows,
-    open_documents,
-    padded,
+    measure_windows,
+    padded_batches,
     window_nll,
 )
+from diffattn.eval.text import model_windows as model_windows  # importable from here too
+from diffattn.eval.text import padded as padded  # importable from here too
 from diffattn.settings import like, setting, shared
 
 NAME = "outliers"
@@ -112,10 +111,9 @@ def outlier_stats(
     from diffattn.probe import HiddenStats, LogitStats, Probe
 
     logit_stats, hidden_stats = LogitStats(top_k=top_k), HiddenStats(top_k=top_k)
-    groups = list(batches(pieces, batch_size))
+    label = f"outliers {model.name}"
     with Probe(model.model, [logit_stats, hidden_stats]):
-        for group in progress(groups, len(groups), f"outliers {model.name}", quiet):
-            ids, mask = padded(group, model.device)
+        for _, ids, mask in padded_batches(model, pieces, batch_size, label, quiet):
             model.model(input_ids=ids, attention_mask=mask)
     logits, hidden = logit_stats.result(), hidden_stats.result()
     return {
@@ -163,11 +161,9 @@ def run(
         raise ValueError(f"--top-k must be at least 100, got {top_k}")
     bits = check_bits(settings.bits)
     settings.check()
-    docs, results = open_documents(settings, settings.seed)
     batch_size = settings.batch_size
-    results["bits"] = bits
-    for model in models:
-        pieces = model_windows(model, docs, settings.seq_len, settings.max_tokens)
+
+    def measure(model: EvalModel, pieces: list[list[int]]) -> dict[str, Any]:
         entry = outlier_stats(model, pieces, batch_size, top_k, quiet)
         entry["quantized_loss"] = {
             b: quantized_loss(model, pieces, b, batch_size, quiet) for b in bits
@@ -177,7 +173,10 @@ def run(
             "tokens": sum(len(p) for p in pieces),
             "targets": sum(len(p) - 1 for p in pieces),
         }
-        results["models"][model.name] = entry
+        return entry
+
+    results = measure_windows(models, settings, settings.seed, measure)
+    results["bits"] = bits  # after "models", "documents" and "data_fingerprint"
     return results
 
 

@@ -9,7 +9,7 @@ and they are cut into non-overlapping windows of ``--seq-len`` tokens, up to ``-
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -122,6 +122,18 @@ def padded(group: Sequence[Sequence[int]], device: Any) -> tuple[torch.Tensor, t
     return ids.to(device), mask.to(device)
 
 
+def padded_batches(
+    model: EvalModel, pieces: Sequence[Sequence[int]], batch_size: int, label: str, quiet: bool
+) -> Iterator[tuple[Sequence[Sequence[int]], torch.Tensor, torch.Tensor]]:
+    """Each batch of ``batch_size`` windows of ``pieces`` with its right-padded ``input_ids``
+    and ``attention_mask`` (:func:`padded`) on ``model``'s device, under a progress bar named
+    ``label``."""
+    groups = list(batches(pieces, batch_size))
+    for group in progress(groups, len(groups), label, quiet):
+        ids, mask = padded(group, model.device)
+        yield group, ids, mask
+
+
 def context_limit(model: EvalModel) -> int | None:
     config = getattr(model.model, "config", None)
     return getattr(config, "max_seq_len", None) or getattr(config, "max_position_embeddings", None)
@@ -154,9 +166,7 @@ def window_nll(
     from diffattn.probe import token_nll
 
     out: list[torch.Tensor] = []
-    groups = list(batches(pieces, batch_size))
-    for group in progress(groups, len(groups), f"loss {model.name}", quiet):
-        ids, mask = padded(group, model.device)
+    for group, ids, mask in padded_batches(model, pieces, batch_size, f"loss {model.name}", quiet):
         logits = model.model(input_ids=ids, attention_mask=mask).logits
         nll = token_nll(logits, ids, mask).cpu()
         out.extend(nll[row, : len(piece) - 1] for row, piece in enumerate(group))
@@ -169,3 +179,19 @@ def open_documents(settings: DataSettings, seed: int) -> tuple[list[str], dict[s
     seed_everything(seed)
     docs = documents(settings.data, settings.split, settings.valid_fraction, settings.data_seed)
     return docs, {"models": {}, "documents": len(docs), "data_fingerprint": fingerprint(docs)}
+
+
+def measure_windows(
+    models: Sequence[EvalModel],
+    settings: DataSettings,
+    seed: int,
+    measure: Callable[[EvalModel, list[list[int]]], dict[str, Any]],
+) -> dict[str, Any]:
+    """The results of an experiment on held-out windows: :func:`open_documents`' dictionary
+    with ``results["models"][model.name] = measure(model, windows)``, each model's windows of
+    the documents cut by :func:`model_windows`."""
+    docs, results = open_documents(settings, seed)
+    for model in models:
+        pieces = model_windows(model, docs, settings.seq_len, settings.max_tokens)
+        results["models"][model.name] = measure(model, pieces)
+    return results
