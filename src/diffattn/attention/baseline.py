@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from diffattn.attention.common import (
     AttentionMaps,
+    ProjectedAttention,
     merge_heads,
     project_qkv,
     with_maps,
@@ -15,21 +15,13 @@ from diffattn.attention.kernels import AttentionMask, softmax_attention
 from diffattn.config import ModelConfig
 
 
-class BaselineAttention(nn.Module):
+class BaselineAttention(ProjectedAttention):
     """``softmax(QKᵀ/√d) V`` over ``n_heads`` query and ``n_kv_heads`` key/value heads."""
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
-        super().__init__()
-        self.config = config
-        self.layer_index = layer_index
-        d, h, h_kv = config.dim_per_head, config.n_heads, config.num_kv_heads
-        self.head_dim, self.n_heads, self.n_kv_heads = d, h, h_kv
-        self.scale = d**-0.5
-        self.backend = config.backend  # a run-time choice: DiffTransformerLM.set_backend
-        self.q_proj = nn.Linear(config.d_model, h * d, bias=False)
-        self.k_proj = nn.Linear(config.d_model, h_kv * d, bias=False)
-        self.v_proj = nn.Linear(config.d_model, h_kv * d, bias=False)
-        self.o_proj = nn.Linear(h * d, config.d_model, bias=False)
+        h, h_kv = config.n_heads, config.num_kv_heads
+        super().__init__(config, layer_index, q_heads=h, kv_heads=h_kv, out_heads=h)
+        self.n_heads, self.n_kv_heads = h, h_kv
 
     def forward(
         self,

@@ -1,12 +1,15 @@
-"""Pieces shared by the three attention modules: head reshapes and the maps they return."""
+"""Pieces shared by the three attention modules: their projections, head reshapes and the maps
+they return."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from diffattn.attention.observe import MapRecorder, observing
+from diffattn.config import ModelConfig
 from diffattn.layers import apply_rotary
 
 
@@ -44,6 +47,27 @@ class AttentionMaps:
     a1: torch.Tensor | None = None
     a2: torch.Tensor | None = None
     lam: torch.Tensor | None = None
+
+
+class ProjectedAttention(nn.Module):
+    """What the three attention modules share: the config, the layer index, the head width
+    ``head_dim`` and its score scale ``head_dim**-0.5``, the backend, and the bias-free
+    projections ``q_proj`` (``q_heads`` heads), ``k_proj`` and ``v_proj`` (``kv_heads``
+    each) and ``o_proj`` (from ``out_heads`` heads), all of width ``head_dim``."""
+
+    def __init__(
+        self, config: ModelConfig, layer_index: int, q_heads: int, kv_heads: int, out_heads: int
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_index = layer_index
+        d = self.head_dim = config.dim_per_head
+        self.scale = d**-0.5
+        self.backend = config.backend  # a run-time choice: DiffTransformerLM.set_backend
+        self.q_proj = nn.Linear(config.d_model, q_heads * d, bias=False)
+        self.k_proj = nn.Linear(config.d_model, kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(config.d_model, kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(out_heads * d, config.d_model, bias=False)
 
 
 def project_qkv(module, x, rope, cache, v_width: int):

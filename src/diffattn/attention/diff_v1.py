@@ -18,6 +18,7 @@ from torch import nn
 
 from diffattn.attention.common import (
     AttentionMaps,
+    ProjectedAttention,
     merge_heads,
     project_qkv,
     with_maps,
@@ -36,24 +37,17 @@ def reparameterised_lambda(module: nn.Module) -> torch.Tensor:
     return torch.exp(dot1) - torch.exp(dot2) + module.lambda_init
 
 
-class DiffAttentionV1(nn.Module):
+class DiffAttentionV1(ProjectedAttention):
     """Eq.3: ``Concat((1 − λ_init)·RMSNorm(DiffAttn_j(X))) W_O`` with λ from Eq.2."""
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
-        super().__init__()
-        self.config = config
-        self.layer_index = layer_index
-        d = config.dim_per_head
-        self.head_dim = d
-        self.n_heads = config.n_heads // 2  # differential heads H
-        self.n_kv_heads = config.num_kv_heads // 2  # KV groups H_kv
-        self.scale = d**-0.5
-        self.backend = config.backend  # a run-time choice: DiffTransformerLM.set_backend
+        # half-heads of width d: n_heads for Q and W_O, num_kv_heads for K and V
+        h, h_kv = config.n_heads, config.num_kv_heads
+        super().__init__(config, layer_index, q_heads=h, kv_heads=h_kv, out_heads=h)
+        d = self.head_dim
+        self.n_heads = h // 2  # differential heads H
+        self.n_kv_heads = h_kv // 2  # KV groups H_kv
         self.lambda_init = config.lambda_init_for_layer(layer_index)
-        self.q_proj = nn.Linear(config.d_model, config.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(config.d_model, config.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(config.d_model, config.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(config.n_heads * d, config.d_model, bias=False)
         # Eq.2 re-parameterisation: four vectors of width d, λ itself is evaluated in fp32.
         self.lambda_q1 = nn.Parameter(torch.empty(d))
         self.lambda_k1 = nn.Parameter(torch.empty(d))

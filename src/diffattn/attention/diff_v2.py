@@ -18,6 +18,7 @@ from torch import nn
 
 from diffattn.attention.common import (
     AttentionMaps,
+    ProjectedAttention,
     merge_heads,
     project_qkv,
     with_maps,
@@ -26,23 +27,13 @@ from diffattn.attention.kernels import AttentionMask, differential_attention_v2
 from diffattn.config import ModelConfig
 
 
-class DiffAttentionV2(nn.Module):
+class DiffAttentionV2(ProjectedAttention):
     """DIFF V2 attention with ``n_heads`` output heads and ``2·n_heads`` query heads."""
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
-        super().__init__()
-        self.config = config
-        self.layer_index = layer_index
-        d = config.dim_per_head
-        self.head_dim = d
-        self.n_heads = config.n_heads
-        self.n_kv_heads = config.num_kv_heads
-        self.scale = d**-0.5
-        self.backend = config.backend  # a run-time choice: DiffTransformerLM.set_backend
-        self.q_proj = nn.Linear(config.d_model, 2 * self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(config.d_model, self.n_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(config.d_model, self.n_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * d, config.d_model, bias=False)
+        h, h_kv = config.n_heads, config.num_kv_heads
+        super().__init__(config, layer_index, q_heads=2 * h, kv_heads=h_kv, out_heads=h)
+        self.n_heads, self.n_kv_heads = h, h_kv
         self.lambda_proj = (
             nn.Linear(config.d_model, self.n_heads, bias=False) if config.v2_use_lambda else None
         )
