@@ -45,6 +45,18 @@ def lambda_init_schedule(layer_index: int) -> float:
     return 0.8 - 0.6 * math.exp(-0.3 * layer_index)
 
 
+def reject_unknown_fields(owner: str, names: Any, fields_of: Any, noun: str = "key") -> None:
+    """Raise ``ValueError`` when some of ``names`` are not fields of the dataclass
+    ``fields_of``: ``"<owner>: unknown <noun>(s) …; valid <noun>s are …"``, both sorted."""
+    known = {f.name for f in dataclasses.fields(fields_of)}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ValueError(
+            f"{owner}: unknown {noun}(s) {', '.join(map(repr, unknown))}; "
+            f"valid {noun}s are {', '.join(sorted(known))}"
+        )
+
+
 def _round_up(value: float, multiple: int) -> int:
     return int(multiple * math.ceil(value / multiple))
 
@@ -288,13 +300,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Build from a mapping; an unknown key raises ``ValueError`` naming it."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"ModelConfig: unknown key(s) {', '.join(map(repr, unknown))}; "
-                f"valid keys are {', '.join(sorted(known))}"
-            )
+        reject_unknown_fields("ModelConfig", data, cls)
         return cls(**data)
 
     def replace(self, **changes: Any) -> ModelConfig:

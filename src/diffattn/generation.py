@@ -54,6 +54,7 @@ import torch
 
 from diffattn.attention.kernels import flash_available
 from diffattn.cache import DynamicCache, StaticCache
+from diffattn.config import reject_unknown_fields
 from diffattn.model import COMPILE_MODES, DiffTransformerLM, let_dynamo_skip_kernel_logs
 
 __all__ = [
@@ -189,13 +190,7 @@ class GenerationConfig:
 
     def replace(self, **changes: Any) -> GenerationConfig:
         """A validated copy with ``changes`` applied; an unknown name raises ``ValueError``."""
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise ValueError(
-                f"GenerationConfig: unknown setting(s) {', '.join(map(repr, unknown))}; "
-                f"valid settings are {', '.join(sorted(known))}"
-            )
+        reject_unknown_fields("GenerationConfig", changes, self, noun="setting")
         return dataclasses.replace(self, **changes)
 
 
