@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -107,10 +107,15 @@ def eval_model(model: nn.Module, name: str, spec: str, tokenizer: Any, kind: str
     return EvalModel(name, spec, model.eval(), TextTokenizer(tokenizer), kind, attention)
 
 
-def _timed(function: Any, *args: Any, **kwargs: Any) -> tuple[dict[str, Any], float]:
+def _timed(
+    count_items: Callable[[dict[str, Any]], int], function: Any, *args: Any, **kwargs: Any
+) -> dict[str, Any]:
+    """``function(*args, **kwargs)``'s result, its ``seconds`` and ``seconds_per_item`` (the
+    result holding ``count_items(result)`` items)."""
     start = time.perf_counter()
     result = function(*args, **kwargs)
-    return result, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return {"result": result, "seconds": seconds, "seconds_per_item": seconds / count_items(result)}
 
 
 def evaluate(model: Any, settings: BenchmarkSettings) -> dict[str, Any]:
@@ -121,7 +126,8 @@ def evaluate(model: Any, settings: BenchmarkSettings) -> dict[str, Any]:
     out: dict[str, Any] = {}
     common = {"seed": settings.seed, "batch_size": settings.batch_size, "quiet": settings.quiet}
     if "mc" in settings.evals:
-        result, seconds = _timed(
+        out["mc"] = _timed(
+            lambda result: sum(t["items"] for t in result["tasks"].values()),
             mc.run,
             [model],
             tasks=list(settings.mc_tasks) or None,
@@ -130,10 +136,9 @@ def evaluate(model: Any, settings: BenchmarkSettings) -> dict[str, Any]:
             limit=settings.mc_limit,
             **common,
         )
-        items = sum(t["items"] for t in result["tasks"].values())
-        out["mc"] = {"result": result, "seconds": seconds, "seconds_per_item": seconds / items}
     if "needle" in settings.evals:
-        result, seconds = _timed(
+        out["needle"] = _timed(
+            lambda result: sum(c["n"] for c in result["models"][model.name]["cells"]),
             needle.run,
             [model],
             needles=settings.needle_needles,
@@ -142,10 +147,9 @@ def evaluate(model: Any, settings: BenchmarkSettings) -> dict[str, Any]:
             samples=settings.needle_samples,
             **common,
         )
-        items = sum(c["n"] for c in result["models"][model.name]["cells"])
-        out["needle"] = {"result": result, "seconds": seconds, "seconds_per_item": seconds / items}
     if "icl" in settings.evals:
-        result, seconds = _timed(
+        out["icl"] = _timed(
+            lambda result: len(result["models"][model.name]["runs"]) * result["test_items"],
             icl.run,
             [model],
             classes=settings.icl_classes,
@@ -154,8 +158,6 @@ def evaluate(model: Any, settings: BenchmarkSettings) -> dict[str, Any]:
             test_items=settings.icl_test_items,
             **common,
         )
-        items = len(result["models"][model.name]["runs"]) * result["test_items"]
-        out["icl"] = {"result": result, "seconds": seconds, "seconds_per_item": seconds / items}
     return out
 
 
