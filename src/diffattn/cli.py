@@ -62,23 +62,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"diffattn {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    bench = verbs.add_parser(
-        "bench",
-        help="throughput and peak memory of baseline, DIFF V1 and DIFF V2 at matched size",
-        description="Times forward and forward+backward of baseline, DIFF V1 and DIFF V2 "
-        "(and HF DiffLlama / Llama when transformers is installed), interleaved in one run.",
-    )
-    throughput.add_arguments(bench)
-    bench.set_defaults(handler=throughput.run)
-
-    listing = verbs.add_parser(
-        "backends",
-        help="attention backends, what auto picks per call here, and (--time) why",
-        description="Lists the attention backends and what 'auto' resolves each call to on "
-        "this machine; --time times the candidates per case, interleaved.",
-    )
-    backends.add_arguments(listing)
-    listing.set_defaults(handler=backends.run)
+    for verb, module, help_text, description in (
+        (
+            "bench",
+            throughput,
+            "throughput and peak memory of baseline, DIFF V1 and DIFF V2 at matched size",
+            "Times forward and forward+backward of baseline, DIFF V1 and DIFF V2 "
+            "(and HF DiffLlama / Llama when transformers is installed), interleaved in one run.",
+        ),
+        (
+            "backends",
+            backends,
+            "attention backends, what auto picks per call here, and (--time) why",
+            "Lists the attention backends and what 'auto' resolves each call to on "
+            "this machine; --time times the candidates per case, interleaved.",
+        ),
+    ):
+        sub = verbs.add_parser(verb, help=help_text, description=description)
+        module.add_arguments(sub)
+        sub.set_defaults(handler=module.run)
 
     sizes = verbs.add_parser("presets", help="list presets with parameter counts per type")
     sizes.add_argument("name", nargs="?", help="one preset (default: all)")
