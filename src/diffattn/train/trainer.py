@@ -147,7 +147,7 @@ def train(
     trainer = Trainer(
         config,
         out_dir,
-        resume=resume if resume is not False else resume_fallback,
+        resume=resume,
         progress=progress,
         callbacks=callbacks,
         data=data,
