@@ -449,14 +449,25 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
     with opener(path, "rt", encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}: line {number} is not JSON ({error.msg})") from error
+        for number, row in json_lines(
+            lines, lambda number, msg: f"{path}: line {number} is not JSON ({msg})"
+        ):
             if not isinstance(row, dict):
                 raise ValueError(f"{path}: line {number} is not a JSON object")
             rows.append(row)
     return rows
+
+
+def json_lines(
+    lines: Iterable[str], not_json: Callable[[int, str], str]
+) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of each non-blank line of ``lines`` read as JSON; a line that
+    is not JSON raises ``ValueError(not_json(line number, the decoder's message))``."""
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(not_json(number, error.msg)) from error
+        yield number, value

@@ -46,10 +46,11 @@ from diffattn.eval.common import (
     batches,
     fingerprint,
     finish,
+    json_lines,
     markdown_table,
     models_from_args,
+    one_axes,
     progress,
-    pyplot,
     require_tokenizer,
     save_figure,
     seed_everything,
@@ -135,13 +136,10 @@ def _files(paths: Sequence[str]) -> list[Path]:
 
 def _dataset(path: Path, task: str) -> list[Sample]:
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: not a JSON object ({error.msg})") from None
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, row in json_lines(
+        lines, lambda number, msg: f"{path}:{number}: not a JSON object ({msg})"
+    ):
         answers = row.get("answers")
         if isinstance(answers, str):
             answers = [answers]
@@ -348,10 +346,9 @@ def run(
 
 def plot(results: dict[str, Any], path: Path) -> Path:
     """Accuracy per dataset and model with standard-error bars (DIFF V1 Table 4)."""
-    plt = pyplot()
     names, datasets = list(results["models"]), list(results["datasets"])
     width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(1.5 + 1.3 * len(datasets) * max(len(names), 1) ** 0.5, 4))
+    fig, ax = one_axes(figsize=(1.5 + 1.3 * len(datasets) * max(len(names), 1) ** 0.5, 4))
     for k, name in enumerate(names):
         by = results["models"][name]["datasets"]
         xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(datasets))]

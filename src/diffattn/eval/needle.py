@@ -78,8 +78,8 @@ from diffattn.eval.common import (
     command_main,
     fingerprint,
     markdown_table,
+    one_axes,
     progress,
-    pyplot,
     require_tokenizer,
     save_figure,
     seed_everything,
@@ -571,14 +571,12 @@ def run(
 
 def plot_heatmap(name: str, result: dict[str, Any], path: Path) -> Path:
     """Accuracy by depth (y) and length (x), annotated, like DIFF V1 Fig 5."""
-    plt = pyplot()
-
     depths = sorted({c["depth"] for c in result["cells"]})
     lengths = sorted({c["length"] for c in result["cells"]})
     grid = [[math.nan] * len(lengths) for _ in depths]
     for c in result["cells"]:
         grid[depths.index(c["depth"])][lengths.index(c["length"])] = c["accuracy"]
-    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.6 * len(depths) + 1.8))
+    fig, ax = one_axes(figsize=(1.2 * len(lengths) + 2.5, 0.6 * len(depths) + 1.8))
     image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
     for i in range(len(depths)):
         for j in range(len(lengths)):
