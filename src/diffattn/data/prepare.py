@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diffattn.config import reject_unknown_fields
 from diffattn.data.shards import (
     DEFAULT_SHARD_TOKENS,
     FORMAT_VERSION,
@@ -162,13 +163,7 @@ class DataConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DataConfig:
         """Build from a mapping; an unknown key raises ``ValueError`` naming it."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"DataConfig: unknown key(s) {', '.join(map(repr, unknown))}; "
-                f"valid keys are {', '.join(sorted(known))}"
-            )
+        reject_unknown_fields("DataConfig", data, cls)
         return cls(**dict(data))
 
     def replace(self, **changes: Any) -> DataConfig:
