@@ -413,6 +413,14 @@ def one_axes(figsize: tuple[float, float] = (6, 4)) -> tuple[Any, Any]:
     return pyplot().subplots(figsize=figsize)
 
 
+def panel_row(count: int, title: str, figsize: tuple[float, float]) -> tuple[Any, Any]:
+    """A new figure titled ``title`` with ``count`` sets of axes side by side (the figure and
+    the sequence of axes)."""
+    fig, axes = pyplot().subplots(1, count, figsize=figsize, squeeze=False)
+    fig.suptitle(title)
+    return fig, axes[0]
+
+
 def save_axes(
     fig: Any,
     ax: Any,

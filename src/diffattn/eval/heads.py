@@ -45,8 +45,8 @@ from diffattn.eval.common import (
     markdown_table,
     models_from_args,
     one_axes,
+    panel_row,
     progress,
-    pyplot,
     save_axes,
     save_figure,
 )
@@ -415,13 +415,6 @@ def run(
 # ----------------------------------------------------------------------------------------------
 # figures and report
 # ----------------------------------------------------------------------------------------------
-def _grid(n: int, title: str, size: float = 4.0):
-    plt = pyplot()
-    fig, axes = plt.subplots(1, n, figsize=(size * n + 1, size), squeeze=False)
-    fig.suptitle(title)
-    return fig, axes[0]
-
-
 def _integer_ticks(ax: Any, shape: Sequence[int]) -> None:
     """Ticks at whole row and column indices (at most about 16 of each)."""
     for axis, n in ((ax.yaxis, shape[0]), (ax.xaxis, shape[1])):
@@ -435,7 +428,7 @@ def _plot_panels(
     its colour bar; ``None`` without panels."""
     if not panels:
         return None
-    fig, axes = _grid(len(panels), title)
+    fig, axes = panel_row(len(panels), title, (4.0 * len(panels) + 1, 4.0))
     for ax, (name, value) in zip(axes, panels, strict=True):
         value = torch.as_tensor(value).double()
         image = ax.imshow(value.numpy(), **imshow)

@@ -50,8 +50,8 @@ from diffattn.eval.common import (
     fingerprint,
     markdown_table,
     one_axes,
+    panel_row,
     progress,
-    pyplot,
     require_tokenizer,
     save_axes,
     save_figure,
@@ -432,9 +432,12 @@ def plot_robustness(results: dict[str, Any], path: Path) -> Path | None:
     if len({r["permutation"] for r in first["runs"]}) < 2:
         return None
     arrangements = list(first["summary"])
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(arrangements), figsize=(3 + 2.2 * len(names), 4), squeeze=False)
-    for ax, arrangement in zip(axes[0], arrangements, strict=True):
+    fig, axes = panel_row(
+        len(arrangements),
+        f"ICL robustness to order: {results['dataset']} (DIFF V1 Fig 7)",
+        (3 + 2.2 * len(names), 4),
+    )
+    for ax, arrangement in zip(axes, arrangements, strict=True):
         for x, name in enumerate(names):
             r = results["models"][name]
             top = max(
@@ -456,7 +459,6 @@ def plot_robustness(results: dict[str, Any], path: Path) -> Path | None:
         ax.set_ylabel("accuracy")
         ax.set_title(f"{arrangement} order")
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"ICL robustness to order: {results['dataset']} (DIFF V1 Fig 7)")
     return save_figure(fig, path)
 
 

@@ -34,7 +34,7 @@ from diffattn.eval.common import (
     finish,
     markdown_table,
     models_from_args,
-    pyplot,
+    one_axes,
     save_figure,
     seed_everything,
 )
@@ -251,11 +251,10 @@ def _finite(value: float) -> float:
 
 
 def plot(results: dict[str, Any], path: Path) -> Path:
-    plt = pyplot()
     tasks = list(results["tasks"])
     models = list(results["models"])
     width = 0.8 / max(len(models), 1)
-    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(tasks) + 2), 4))
+    fig, ax = one_axes(figsize=(max(5, 1.1 * len(tasks) + 2), 4))
     for m, model in enumerate(models):
         per_task = results["models"][model]
         ax.bar(

@@ -38,7 +38,7 @@ from diffattn.eval.common import (
     command_main,
     markdown_table,
     one_axes,
-    pyplot,
+    panel_row,
     save_axes,
     save_figure,
 )
@@ -182,9 +182,8 @@ def run(
 
 def plot_topk(results: dict[str, Any], path: Path) -> Path:
     """Grouped bars of top-1/2/3/10/100 and median per model, logits and hidden states."""
-    plt = pyplot()
     names = list(results["models"])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = panel_row(2, "Activation outliers (DIFF V1 Table 5)", (11, 4))
     width = 0.8 / max(len(names), 1)
     for ax, key, title in (
         (axes[0], "logits", "|attention logits|"),
@@ -200,7 +199,6 @@ def plot_topk(results: dict[str, Any], path: Path) -> Path:
         ax.set_title(title)
         ax.grid(alpha=0.3, axis="y")
         ax.legend()
-    fig.suptitle("Activation outliers (DIFF V1 Table 5)")
     return save_figure(fig, path)
 
 
