@@ -8,6 +8,9 @@ output directory.
 * Output (:func:`write_outputs`): ``--out DIR`` receives ``results.json`` (the figures plus the
   models, data fingerprint, seed, command and library version), ``report.md`` and PNG figures.
 * Runs are seeded (:func:`seed_everything`) and long loops show progress (:func:`progress`).
+* A command is its settings, ``run``, report and figures (:func:`command_main`); figures are
+  drawn on :func:`one_axes` or a :func:`panel_row` and written by :func:`save_axes` or
+  :func:`save_figure`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""Held-out documents cut into token windows: the data of ``eval loss``, ``outliers`` and
-``heads``.
+"""Held-out documents cut into token windows: the data of ``eval loss``, ``outliers``,
+``heads``, ``hessian`` and ``effective``.
 
 Documents are read as the trainer reads them; by default only those its document-level split
 puts in validation (``--valid-fraction`` and ``--data-seed`` are the recipe's
 ``data.valid_fraction`` and ``data.seed``). Each model tokenizes them with its own tokenizer
-and they are cut into non-overlapping windows of ``--seq-len`` tokens, up to ``--max-tokens``.
+and they are cut into non-overlapping windows of ``--seq-len`` tokens, up to ``--max-tokens``
+(:func:`model_windows`). :func:`measure_windows` runs one measurement per model on its
+windows; :func:`padded_batches` feeds windows to a model in right-padded batches.
 """
 
 from __future__ import annotations
