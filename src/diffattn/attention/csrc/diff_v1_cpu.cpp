@@ -149,6 +149,17 @@ struct Problem {
   int64_t last_key(int64_t pos) const { return pos + offset; }  // the diagonal key
 };
 
+// The data of a (B, S) tensor with one entry per key position, checked against the problem's
+// shape (`what` states the required type in the message); nullptr when it is undefined.
+template <typename T>
+const T* key_rows(const at::Tensor& t, at::ScalarType type, const Problem& p, const char* what) {
+  if (!t.defined()) return nullptr;
+  TORCH_CHECK(t.scalar_type() == type && t.dim() == 2 && t.size(0) == p.bsz && t.size(1) == p.s,
+              "diff_v1_cpu: ", what, " of shape (B, S) = (", p.bsz, ", ", p.s, "), got ",
+              t.sizes());
+  return t.data_ptr<T>();
+}
+
 Problem make_problem(const at::Tensor& q1, const at::Tensor& k1, const at::Tensor& k2,
                      const at::Tensor& v, int64_t rep, int64_t offset,
                      const at::Tensor& padding, const at::Tensor& documents,
@@ -172,20 +183,8 @@ Problem make_problem(const at::Tensor& q1, const at::Tensor& k1, const at::Tenso
   p.k2_sh = k2.stride(1);
   p.v_sb = v.stride(0);
   p.v_sh = v.stride(1);
-  if (padding.defined()) {
-    TORCH_CHECK(padding.scalar_type() == at::kByte && padding.dim() == 2 &&
-                    padding.size(0) == p.bsz && padding.size(1) == p.s,
-                "diff_v1_cpu: key padding must be uint8 of shape (B, S) = (", p.bsz, ", ", p.s,
-                "), got ", padding.sizes());
-  }
-  p.padding = padding.defined() ? padding.data_ptr<uint8_t>() : nullptr;
-  if (documents.defined()) {
-    TORCH_CHECK(documents.scalar_type() == at::kLong && documents.dim() == 2 &&
-                    documents.size(0) == p.bsz && documents.size(1) == p.s,
-                "diff_v1_cpu: documents must be int64 of shape (B, S) = (", p.bsz, ", ", p.s,
-                "), got ", documents.sizes());
-  }
-  p.documents = documents.defined() ? documents.data_ptr<int64_t>() : nullptr;
+  p.padding = key_rows<uint8_t>(padding, at::kByte, p, "key padding must be uint8");
+  p.documents = key_rows<int64_t>(documents, at::kLong, p, "documents must be int64");
   return p;
 }
 
