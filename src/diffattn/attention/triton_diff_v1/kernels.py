@@ -169,6 +169,25 @@ def _query_offset(offset, offset_ptr, OFFSET_IN_MEMORY: tl.constexpr):
 
 
 @triton.jit
+def _kv_head(
+    k1_ptr, k2_ptr, v_ptr, lam_ptr, offset_ptr, b, kv_head, skb, skh, svb, svh, scale, offset,
+    OFFSET_IN_MEMORY: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    # What every kernel reads first for KV head `kv_head` of batch row `b`: its K1/K2/V
+    # bases, the query offset, λ, the base-2 score scale and the column offsets of the
+    # K (and Q) and V tiles.
+    k1_ptr += b * skb + kv_head * skh
+    k2_ptr += b * skb + kv_head * skh
+    v_ptr += b * svb + kv_head * svh
+    offset = _query_offset(offset, offset_ptr, OFFSET_IN_MEMORY)
+    lam = tl.load(lam_ptr).to(tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_v = tl.arange(0, BLOCK_DV)
+    return k1_ptr, k2_ptr, v_ptr, offset, lam, qk_scale, offs_d, offs_v
+
+
+@triton.jit
 def _query_block(
     q1_ptr, q2_ptr, k1_ptr, k2_ptr, v_ptr, lam_ptr, offset_ptr, sqb, sqh, sqn, skb, skh,
     svb, svh, scale, n_q, offset,
@@ -186,15 +205,11 @@ def _query_block(
     h = pid_bh % H
     q1_ptr += b * sqb + h * sqh
     q2_ptr += b * sqb + h * sqh
-    k1_ptr += b * skb + (h // REP) * skh
-    k2_ptr += b * skb + (h // REP) * skh
-    v_ptr += b * svb + (h // REP) * svh
-    offset = _query_offset(offset, offset_ptr, OFFSET_IN_MEMORY)
-    lam = tl.load(lam_ptr).to(tl.float32)
-    qk_scale = scale * 1.4426950408889634
+    k1_ptr, k2_ptr, v_ptr, offset, lam, qk_scale, offs_d, offs_v = _kv_head(
+        k1_ptr, k2_ptr, v_ptr, lam_ptr, offset_ptr, b, h // REP, skb, skh, svb, svh, scale,
+        offset, OFFSET_IN_MEMORY, BLOCK_D, BLOCK_DV,
+    )  # fmt: skip
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_v = tl.arange(0, BLOCK_DV)
     q1 = _tile(q1_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
     q2 = _tile(q2_ptr, offs_m, n_q, sqn, offs_d, D, DOT)
     return (
@@ -426,15 +441,11 @@ def _diff_v1_bwd_kv(
     kv = tl.program_id(1)  # b * H_kv + kv head
     b = kv // (H // REP)
     kv_head = kv % (H // REP)
-    k1_ptr += b * skb + kv_head * skh
-    k2_ptr += b * skb + kv_head * skh
-    v_ptr += b * svb + kv_head * svh
-    offset = _query_offset(offset, offset_ptr, OFFSET_IN_MEMORY)
-    lam = tl.load(lam_ptr).to(tl.float32)
-    qk_scale = scale * 1.4426950408889634
+    k1_ptr, k2_ptr, v_ptr, offset, lam, qk_scale, offs_d, offs_v = _kv_head(
+        k1_ptr, k2_ptr, v_ptr, lam_ptr, offset_ptr, b, kv_head, skb, skh, svb, svh, scale,
+        offset, OFFSET_IN_MEMORY, BLOCK_D, BLOCK_DV,
+    )  # fmt: skip
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_v = tl.arange(0, BLOCK_DV)
     k1 = _tile(k1_ptr, offs_n, n_k, skn, offs_d, D, DOT)
     k2 = _tile(k2_ptr, offs_n, n_k, skn, offs_d, D, DOT)
     v = _tile(v_ptr, offs_n, n_k, svn, offs_v, DV, DOT)
