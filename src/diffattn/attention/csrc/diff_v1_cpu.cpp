@@ -147,7 +147,32 @@ struct Problem {
   int64_t k2_at(int64_t bg) const { return (bg / n_kv) * k2_sb + (bg % n_kv) * k2_sh; }
   int64_t v_at(int64_t bg) const { return (bg / n_kv) * v_sb + (bg % n_kv) * v_sh; }
   int64_t last_key(int64_t pos) const { return pos + offset; }  // the diagonal key
+  // The key padding and documents of the batch row of (batch, KV head) bg, or nullptr.
+  const uint8_t* padding_of(int64_t bg) const {
+    return padding ? padding + (bg / n_kv) * s : nullptr;
+  }
+  const int64_t* documents_of(int64_t bg) const {
+    return documents ? documents + (bg / n_kv) * s : nullptr;
+  }
 };
+
+// The extent of one task: its first row in the (batch, KV head), its rows m and keys e, the
+// widths d and dv, and the offset of its first query row in q1 and q2.
+struct TaskShape {
+  int64_t row0;
+  int m, e, d, dv;
+  int64_t qo;
+};
+
+TaskShape shape_of(const Problem& p, const Task& t) {
+  const int64_t row0 = t.pos_start * p.rep;
+  return {row0,
+          static_cast<int>((t.pos_stop - t.pos_start) * p.rep),
+          static_cast<int>(t.keys),
+          static_cast<int>(p.d),
+          static_cast<int>(p.dv),
+          t.bg * p.rows() * p.d + row0 * p.d};
+}
 
 // The data of a (B, S) tensor with one entry per key position, checked against the problem's
 // shape (`what` states the required type in the message); nullptr when it is undefined.
@@ -241,11 +266,7 @@ void forward_task(const Problem& p, const Task& t, const float* q1, const float*
                   const float* k1, const float* k2, const float* v, float lam, float scale,
                   float* out,
                   float* lse1, float* lse2, float* buf1, float* buf2) {
-  const int64_t row0 = t.pos_start * p.rep;
-  const int m = static_cast<int>((t.pos_stop - t.pos_start) * p.rep);
-  const int e = static_cast<int>(t.keys);
-  const int d = static_cast<int>(p.d), dv = static_cast<int>(p.dv);
-  const int64_t qo = t.bg * p.rows() * p.d + row0 * p.d;
+  const auto [row0, m, e, d, dv, qo] = shape_of(p, t);
   const float* k1b = k1 + p.k1_at(t.bg);
   const float* k2b = k2 + p.k2_at(t.bg);
   const bool stream = m <= kStreamRows;
@@ -263,8 +284,8 @@ void forward_task(const Problem& p, const Task& t, const float* q1, const float*
     gemm(false, true, m, e, d, scale, q1 + qo, d, k1b, d, 0.f, buf1, e);
     gemm(false, true, m, e, d, scale, q2 + qo, d, k2b, d, 0.f, buf2, e);
   }
-  const uint8_t* real = p.padding ? p.padding + (t.bg / p.n_kv) * p.s : nullptr;
-  const int64_t* docs = p.documents ? p.documents + (t.bg / p.n_kv) * p.s : nullptr;
+  const uint8_t* real = p.padding_of(t.bg);
+  const int64_t* docs = p.documents_of(t.bg);
   for (int r = 0; r < m; ++r) {
     const int64_t diag = p.last_key(t.pos_start + r / p.rep);
     const int len = static_cast<int>(diag + 1);
@@ -323,11 +344,7 @@ void backward_task(const Problem& p, const Task& t, const float* q1, const float
                    const float* lse1, const float* lse2, float lam, float scale, float* dq1,
                    float* dq2, float* dk1, float* dk2, float* dv_acc, double* dlam,
                    float* buf1, float* buf2, float* buf3, float* buf4) {
-  const int64_t row0 = t.pos_start * p.rep;
-  const int m = static_cast<int>((t.pos_stop - t.pos_start) * p.rep);
-  const int e = static_cast<int>(t.keys);
-  const int d = static_cast<int>(p.d), dv = static_cast<int>(p.dv);
-  const int64_t qo = t.bg * p.rows() * p.d + row0 * p.d;
+  const auto [row0, m, e, d, dv, qo] = shape_of(p, t);
   const int64_t go = t.bg * p.rows() * p.dv + row0 * p.dv;
   const int64_t ko = t.bg * p.s * p.d, vo = t.bg * p.s * p.dv;  // in the gradient buffers
   const float* k1b = k1 + p.k1_at(t.bg);
@@ -335,8 +352,8 @@ void backward_task(const Problem& p, const Task& t, const float* q1, const float
   gemm(false, true, m, e, d, scale, q1 + qo, d, k1b, d, 0.f, buf1, e);
   gemm(false, true, m, e, d, scale, q2 + qo, d, k2b, d, 0.f, buf2, e);
   gemm(false, true, m, e, dv, 1.f, grad + go, dv, v + p.v_at(t.bg), dv, 0.f, buf3, e);  // dP
-  const uint8_t* real = p.padding ? p.padding + (t.bg / p.n_kv) * p.s : nullptr;
-  const int64_t* docs = p.documents ? p.documents + (t.bg / p.n_kv) * p.s : nullptr;
+  const uint8_t* real = p.padding_of(t.bg);
+  const int64_t* docs = p.documents_of(t.bg);
   constexpr int W = Vec::size();
   const Vec vlam(lam);
   double r2_total = 0.0;
