@@ -12,16 +12,11 @@ from diffattn.attention.common import (
     with_maps,
 )
 from diffattn.attention.kernels import AttentionMask, softmax_attention
-from diffattn.config import ModelConfig
 
 
 class BaselineAttention(ProjectedAttention):
-    """``softmax(QKᵀ/√d) V`` over ``n_heads`` query and ``n_kv_heads`` key/value heads."""
-
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
-        h, h_kv = config.n_heads, config.num_kv_heads
-        super().__init__(config, layer_index, q_heads=h, kv_heads=h_kv, out_heads=h)
-        self.n_heads, self.n_kv_heads = h, h_kv
+    """``softmax(QKᵀ/√d) V`` over ``n_heads`` query and ``n_kv_heads`` key/value heads (the
+    projections of :class:`ProjectedAttention` as they are)."""
 
     def forward(
         self,

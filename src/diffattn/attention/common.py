@@ -52,22 +52,23 @@ class AttentionMaps:
 class ProjectedAttention(nn.Module):
     """What the three attention modules share: the config, the layer index, the head width
     ``head_dim`` and its score scale ``head_dim**-0.5``, the backend, and the bias-free
-    projections ``q_proj`` (``q_heads`` heads), ``k_proj`` and ``v_proj`` (``kv_heads``
-    each) and ``o_proj`` (from ``out_heads`` heads), all of width ``head_dim``."""
+    projections of width ``head_dim``: ``q_proj`` to ``q_heads`` heads (default: the config's
+    ``n_heads``), ``k_proj`` and ``v_proj`` to ``num_kv_heads`` heads each and ``o_proj``
+    from ``n_heads`` heads. ``n_heads`` and ``n_kv_heads`` are the config's; a module whose
+    heads are counted otherwise sets them after this."""
 
-    def __init__(
-        self, config: ModelConfig, layer_index: int, q_heads: int, kv_heads: int, out_heads: int
-    ) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, q_heads: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.layer_index = layer_index
-        d = self.head_dim = config.dim_per_head
+        d, h, h_kv = config.dim_per_head, config.n_heads, config.num_kv_heads
+        self.head_dim, self.n_heads, self.n_kv_heads = d, h, h_kv
         self.scale = d**-0.5
         self.backend = config.backend  # a run-time choice: DiffTransformerLM.set_backend
-        self.q_proj = nn.Linear(config.d_model, q_heads * d, bias=False)
-        self.k_proj = nn.Linear(config.d_model, kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(config.d_model, kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(out_heads * d, config.d_model, bias=False)
+        self.q_proj = nn.Linear(config.d_model, (h if q_heads is None else q_heads) * d, bias=False)
+        self.k_proj = nn.Linear(config.d_model, h_kv * d, bias=False)
+        self.v_proj = nn.Linear(config.d_model, h_kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, config.d_model, bias=False)
 
 
 def project_qkv(module, x, rope, cache, v_width: int):

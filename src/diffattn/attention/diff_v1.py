@@ -41,12 +41,11 @@ class DiffAttentionV1(ProjectedAttention):
     """Eq.3: ``Concat((1 − λ_init)·RMSNorm(DiffAttn_j(X))) W_O`` with λ from Eq.2."""
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
-        # half-heads of width d: n_heads for Q and W_O, num_kv_heads for K and V
-        h, h_kv = config.n_heads, config.num_kv_heads
-        super().__init__(config, layer_index, q_heads=h, kv_heads=h_kv, out_heads=h)
+        # the baseline's projections, read as half-heads of width d
+        super().__init__(config, layer_index)
         d = self.head_dim
-        self.n_heads = h // 2  # differential heads H
-        self.n_kv_heads = h_kv // 2  # KV groups H_kv
+        self.n_heads = config.n_heads // 2  # differential heads H
+        self.n_kv_heads = config.num_kv_heads // 2  # KV groups H_kv
         self.lambda_init = config.lambda_init_for_layer(layer_index)
         # Eq.2 re-parameterisation: four vectors of width d, λ itself is evaluated in fp32.
         self.lambda_q1 = nn.Parameter(torch.empty(d))

@@ -31,9 +31,7 @@ class DiffAttentionV2(ProjectedAttention):
     """DIFF V2 attention with ``n_heads`` output heads and ``2·n_heads`` query heads."""
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
-        h, h_kv = config.n_heads, config.num_kv_heads
-        super().__init__(config, layer_index, q_heads=2 * h, kv_heads=h_kv, out_heads=h)
-        self.n_heads, self.n_kv_heads = h, h_kv
+        super().__init__(config, layer_index, q_heads=2 * config.n_heads)
         self.lambda_proj = (
             nn.Linear(config.d_model, self.n_heads, bias=False) if config.v2_use_lambda else None
         )
