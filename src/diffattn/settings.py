@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import operator
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -112,6 +113,14 @@ def setting(default: Any = MISSING, **spec: Any) -> Any:
       no longer listed).
     """
     return dataclasses.field(default=default, metadata={"setting": Spec(**spec)})
+
+
+def progress_switch(help: str = "no progress output") -> Any:
+    """A ``progress: bool`` setting (default ``True``) whose option is ``--quiet``: stored
+    under ``quiet`` on the command line, the setting is its negation."""
+    return setting(
+        True, flag="--quiet", dest="quiet", cli_default=False, parse=operator.not_, help=help
+    )
 
 
 def like(source: type[Settings], name: str, default: Any = MISSING, **changes: Any) -> Any:

@@ -29,7 +29,6 @@ checkpoints) and rewrites the report; an ``OUT`` holding a different plan is ref
 from __future__ import annotations
 
 import argparse
-import operator
 import time
 import typing
 from collections.abc import Sequence
@@ -42,7 +41,7 @@ from typing import Any
 
 from diffattn.compare.evaluate import EvalSettings, MeasurementOptions
 from diffattn.compare.report import RunSummary, summarise_run, write_report
-from diffattn.settings import Settings, setting
+from diffattn.settings import Settings, progress_switch, setting
 from diffattn.train.cli import recipe_overrides
 
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
@@ -118,14 +117,7 @@ class CompareOptions(Settings):
     )
     """``key.sub=value`` overrides applied to the recipe."""
     overwrite: bool = setting(False, help="replace an OUT holding a different comparison")
-    progress: bool = setting(
-        True,
-        flag="--quiet",
-        dest="quiet",
-        cli_default=False,
-        parse=operator.not_,
-        help="no progress output",
-    )
+    progress: bool = progress_switch()
 
     def __post_init__(self) -> None:
         self.attentions = tuple(self.attentions)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import operator
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -46,7 +45,7 @@ from diffattn.fileio import (
     read_json,
 )
 from diffattn.loading import ModelSource, load_model, resolve_source
-from diffattn.settings import Settings, setting
+from diffattn.settings import Settings, progress_switch, setting
 
 RUN_SETTINGS_NAME = "dex_run.json"
 HEADS_NAME = "heads.json"
@@ -77,14 +76,7 @@ class DexModelSettings(Settings):
         help="override a training-config entry, e.g. --set seq_len=128 --set data.max_bytes=1e6",
     )
     """``key=value`` entries as in ``diffattn train --set`` (:func:`base_config`)."""
-    progress: bool = setting(
-        True,
-        flag="--quiet",
-        dest="quiet",
-        cli_default=False,
-        parse=operator.not_,
-        help="no progress output",
-    )
+    progress: bool = progress_switch()
 
 
 @dataclass(frozen=True, kw_only=True)

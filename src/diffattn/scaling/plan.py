@@ -14,14 +14,13 @@ to whole steps of ``global_batch_size × seq_len`` tokens.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from diffattn.settings import Settings, setting
+from diffattn.settings import Settings, progress_switch, setting
 from diffattn.train.cli import recipe_overrides
 
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
@@ -129,14 +128,7 @@ class ScalingOptions(Settings):
     """What :func:`~diffattn.scaling.fit_results` fits instead of a sweep (``diffattn scaling
     --from-results``); :func:`~diffattn.scaling.run_scaling` trains and ignores it."""
     overwrite: bool = setting(False, help="replace an OUT holding a different sweep")
-    progress: bool = setting(
-        True,
-        flag="--quiet",
-        dest="quiet",
-        cli_default=False,
-        parse=operator.not_,
-        help="no progress output",
-    )
+    progress: bool = progress_switch()
 
 
 def default_recipe() -> Path:
