@@ -154,13 +154,10 @@ def _rewrite_hf_llama(hf_dir: Path, out: Path, overwrite: bool, dtype: torch.dty
     """Write the HF Llama directory ``hf_dir`` again at ``out`` (tensors cast to ``dtype``)."""
     from diffattn.convert import common, llama
 
-    transformers = common.require_transformers()
-    hf_config = common.load_hf_config(hf_dir, transformers.LlamaConfig)
-    config = llama.llama_config_to_diffattn(hf_config, str(hf_dir / "config.json"))
-    state = llama.llama_state_to_diffattn(common.read_hf_state(hf_dir), config, str(hf_dir))
+    hf_config, config, state = llama.LLAMA.read_hf(hf_dir)
     hf_state = common.cast_state(common.diffattn_state_to_hf(state, config), dtype)
     return common.write_hf_dir(
-        transformers.LlamaForCausalLM,
+        common.require_transformers().LlamaForCausalLM,
         hf_config,
         hf_state,
         out,

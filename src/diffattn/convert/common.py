@@ -364,14 +364,20 @@ class HFFamily:
     config_from_diffattn: Callable[[ModelConfig, dict[str, Any]], Any]
     state_from_diffattn: Callable[[dict[str, torch.Tensor], ModelConfig], dict]
 
-    def to_diffattn(
-        self, src_dir: Path, out: Path, *, overwrite: bool = False, dtype: torch.dtype | None = None
-    ) -> Path:
-        """Convert an HF directory of this family into a diffattn model directory."""
+    def read_hf(self, src_dir: Path) -> tuple[Any, ModelConfig, dict[str, torch.Tensor]]:
+        """The HF config of the directory ``src_dir``, its diffattn :class:`ModelConfig` and
+        its weights as a checked diffattn state dict."""
         transformers = require_transformers()
         hf_config = load_hf_config(src_dir, getattr(transformers, self.hf_config_name))
         config = self.config_to_diffattn(hf_config, str(src_dir / "config.json"))
         state = self.state_to_diffattn(read_hf_state(src_dir), config, str(src_dir))
+        return hf_config, config, state
+
+    def to_diffattn(
+        self, src_dir: Path, out: Path, *, overwrite: bool = False, dtype: torch.dtype | None = None
+    ) -> Path:
+        """Convert an HF directory of this family into a diffattn model directory."""
+        _, config, state = self.read_hf(src_dir)
         return write_diffattn_dir(
             config,
             cast_state(state, dtype),
