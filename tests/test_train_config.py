@@ -369,3 +369,23 @@ def test_shipped_recipes_by_name(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "error: config: nonesuch: no such file, nor a shipped recipe" in err
     assert "tiny" in err and not (tmp_path / "run").exists()
+
+
+def test_the_compare_recipe_trains_without_its_retrieval_section(tmp_path):
+    """compare.yaml is a training recipe plus diffattn compare's retrieval: section: training
+    loads it leaving that section out, with a note; the config itself refuses the key."""
+    import diffattn.recipes
+    from diffattn.train import ConfigError, TrainConfig, load_config
+
+    recipe = Path(diffattn.recipes.__file__).parent / "compare.yaml"
+    notes: list[str] = []
+    config = load_config(recipe, ["retrieval.steps=3", "steps=70"], notes)
+    assert config.steps == 70
+    assert notes == [
+        "the recipe's retrieval: section is diffattn compare's retrieval experiment; "
+        "training leaves it out"
+    ]
+    with pytest.warns(UserWarning, match="retrieval: section is diffattn compare's"):
+        assert load_config(recipe).to_dict() == load_config(recipe, (), []).to_dict()
+    with pytest.raises(ConfigError, match="retrieval: unknown key"):
+        TrainConfig.from_dict({"retrieval": {"steps": 3}})

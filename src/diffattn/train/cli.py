@@ -141,7 +141,10 @@ def run_settings(settings: TrainSettings) -> int:
     )
     finished = False
     try:
-        config = load_config(recipe, overrides)
+        notes: list[str] = []
+        config = load_config(recipe, overrides, notes)
+        for note in notes if _is_main() else ():
+            print(f"diffattn train: note: {note}", file=sys.stderr, flush=True)
         result = train(
             config,
             out,

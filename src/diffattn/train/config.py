@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -451,10 +452,32 @@ class TrainConfig:
             )
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+OTHER_COMMANDS_SECTIONS = {"retrieval": "diffattn compare's retrieval experiment"}
+"""Top-level sections a recipe may hold for another command, not for training (``compare.yaml``
+is a training recipe plus its ``retrieval:`` section): :func:`load_config` leaves them out and
+says so; :meth:`TrainConfig.from_dict` refuses them as any unknown key."""
+
+
+def load_config(
+    path: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    notes: list[str] | None = None,
+) -> TrainConfig:
     """Read a YAML recipe with its bases (:func:`read_recipe`), apply ``key.sub=value``
-    overrides, validate."""
-    return TrainConfig.from_dict(apply_overrides(read_recipe(path), overrides))
+    overrides, validate.
+
+    A section of :data:`OTHER_COMMANDS_SECTIONS` is left out with a note: appended to
+    ``notes``, or a ``UserWarning`` without it."""
+    data = apply_overrides(read_recipe(path), overrides)
+    for key, owner in OTHER_COMMANDS_SECTIONS.items():
+        if isinstance(data, dict) and key in data:
+            del data[key]
+            note = f"the recipe's {key}: section is {owner}; training leaves it out"
+            if notes is None:
+                warnings.warn(note, UserWarning, stacklevel=2)
+            else:
+                notes.append(note)
+    return TrainConfig.from_dict(data)
 
 
 def dump_config(config: TrainConfig) -> str:
@@ -471,6 +494,7 @@ __all__ = [
     "DECAY_SHAPES",
     "DEVICES",
     "DTYPES",
+    "OTHER_COMMANDS_SECTIONS",
     "PARALLEL_MODES",
     "ConfigError",
     "ModelSection",
