@@ -6,6 +6,7 @@ train package."""
 from __future__ import annotations
 
 import ast
+import faulthandler
 import json
 import os
 import shutil
@@ -90,6 +91,10 @@ def tiny_diff_v1() -> torch.nn.Module:
     return tiny_diffattn("diff_v1", vocab_size=512)
 
 
+RANK_TIMEOUT = 240
+"""Seconds a spawned rank may run before it dumps its threads' stacks and exits."""
+
+
 def _rank(rank: int, world: int, port: int, recipe: dict, out: str, factory) -> None:
     """One rank of a torchrun-like launch (torch.multiprocessing sets no variables)."""
     os.environ.update(
@@ -101,10 +106,13 @@ def _rank(rank: int, world: int, port: int, recipe: dict, out: str, factory) -> 
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
+    # a hang prints every thread's stack and ends the rank, instead of blocking the suite
+    faulthandler.dump_traceback_later(RANK_TIMEOUT, exit=True)
     try:
         train(TrainConfig.from_dict(recipe), out, progress=False, model_factory=factory)
     finally:
         shutdown()
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _two_ranks(recipe: dict, out: Path, factory) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import os
 import sys
+import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -121,7 +122,9 @@ def shutdown(*, wait: bool = True) -> bool:
         return not _lingering
     groups = [weakref.ref(group) for group in _all_groups()]
     if wait:
+        _let_communication_threads_finish()  # the barrier then keeps no earlier work alive
         barrier()
+        _let_communication_threads_finish()
     dist.destroy_process_group()
     if wait:
         _clear_dtensor_caches()
@@ -132,6 +135,31 @@ def shutdown(*, wait: bool = True) -> bool:
 
 _lingering = False
 """A destroyed process group is still alive (its backend's worker threads may run)."""
+
+SETTLE_SECONDS = 0.25
+"""How long :func:`shutdown` leaves the GIL free after its barrier (see
+:func:`_let_communication_threads_finish`)."""
+
+
+def _let_communication_threads_finish() -> None:
+    """Leave the GIL free for a moment, so that the backend's worker threads finish releasing
+    the collectives that just completed.
+
+    A gloo worker thread (``pt_gloo_runloop``) releases a work after the caller's ``wait``
+    has returned; a work that holds tensors made in Python (a broadcast, or the barrier that
+    keeps every earlier pending work) takes the GIL to drop their Python objects. If the
+    process group is destroyed first (``destroy_process_group``, or the garbage collection of a
+    DDP model whose reducer holds the group's last reference), its destructor joins that
+    thread while the main thread holds the GIL, and both wait for ever: seen on a loaded
+    2-core machine as a DDP run that never ended, the main thread in
+    ``ProcessGroupGloo::~ProcessGroupGloo`` → ``std::thread::join`` and the worker in
+    ``AsyncBarrierWork::~AsyncBarrierWork`` → ``TensorImpl::decref_pyobject`` → take the GIL.
+    Sleeping in slices gives the scheduler several chances to run that thread. Done before the
+    barrier too: a barrier holds every work still in progress when it is queued, so a work
+    released late would otherwise be released again with the barrier's."""
+    slices = 5
+    for _ in range(slices):
+        time.sleep(SETTLE_SECONDS / slices)
 
 
 def exit_process(code: int) -> NoReturn:
