@@ -61,27 +61,25 @@ def test_no_option_is_written_by_hand():
     assert set(STRUCTURAL) - found == set(), "no longer hand-written: delete from STRUCTURAL"
 
 
+def _is_settings_class(node: ast.ClassDef) -> bool:
+    """A class built on ``Settings`` or on another settings class (``...Settings``,
+    ``...Options``)."""
+    return any(ast.unparse(b).endswith(("Settings", "Options")) for b in node.bases)
+
+
 def _settings_defaults(tree: ast.Module) -> dict[str, str]:
     """``field name -> default (source text)`` of the Settings classes of a module."""
     defaults: dict[str, str] = {}
     for node in tree.body:
         if not isinstance(node, ast.ClassDef):
             continue
-        bases = {ast.unparse(b) for b in node.bases}
-        if not bases & {"Settings", "CommonOptions", "DataSettings"} and not any(
-            b.endswith("Settings") for b in bases
-        ):
+        if not _is_settings_class(node):
             continue
         for item in node.body:
             if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
                 continue
             value = item.value
-            if (
-                isinstance(value, ast.Call)
-                and ast.unparse(value.func) in ("setting", "like", "shared")
-                and value.args
-                and ast.unparse(value.func) == "setting"
-            ):
+            if isinstance(value, ast.Call) and ast.unparse(value.func) == "setting" and value.args:
                 default = ast.unparse(value.args[0])
                 if _literal(value.args[0]) and default not in ("None", "False", "()"):
                     defaults[item.target.id] = default
@@ -137,8 +135,7 @@ def _second_declarations() -> list[str]:
         inside = {
             id(n)
             for c in tree.body
-            if isinstance(c, ast.ClassDef)
-            and any(ast.unparse(b).endswith(("Settings", "Options")) for b in c.bases)
+            if isinstance(c, ast.ClassDef) and _is_settings_class(c)
             for n in ast.walk(c)
         }
         for where, field, default in _declared_defaults(tree, inside):
