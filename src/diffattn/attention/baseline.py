@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import torch
-
-from diffattn.attention.common import (
-    AttentionMaps,
-    ProjectedAttention,
-    merge_heads,
-    project_qkv,
-    with_maps,
-)
-from diffattn.attention.kernels import AttentionMask, softmax_attention
+from diffattn.attention.common import ProjectedAttention, with_maps
+from diffattn.attention.kernels import softmax_attention
 
 
 class BaselineAttention(ProjectedAttention):
     """``softmax(QKᵀ/√d) V`` over ``n_heads`` query and ``n_kv_heads`` key/value heads (the
     projections of :class:`ProjectedAttention` as they are)."""
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: AttentionMask,
-        need_weights: bool = False,
-        cache=None,
-    ) -> tuple[torch.Tensor, AttentionMaps | None]:
-        q, k, v = project_qkv(self, x, rope, cache, self.head_dim)
+    def attend(self, x, q, k, v, mask, need_weights):
+        """``softmax(QKᵀ/√d) V`` on the module's backend."""
         (out, _), maps = with_maps(
             self.layer_index,
             need_weights,
@@ -39,4 +24,4 @@ class BaselineAttention(ProjectedAttention):
             self.backend,
             layer=self.layer_index,
         )
-        return self.o_proj(merge_heads(out)), maps
+        return out, maps

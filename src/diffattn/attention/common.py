@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from diffattn.attention.mask import AttentionMask
 from diffattn.attention.observe import MapRecorder, observing
 from diffattn.config import ModelConfig
 from diffattn.layers import apply_rotary
@@ -69,6 +70,38 @@ class ProjectedAttention(nn.Module):
         self.k_proj = nn.Linear(config.d_model, h_kv * d, bias=False)
         self.v_proj = nn.Linear(config.d_model, h_kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, config.d_model, bias=False)
+
+    #: A V head's width in units of ``head_dim``: 1, or 2 for DIFF V1 (V heads of width 2d).
+    value_width_factor = 1
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: AttentionMask,
+        need_weights: bool = False,
+        cache=None,
+    ) -> tuple[torch.Tensor, AttentionMaps | None]:
+        """One attention layer: Q, K and V (RoPE, the cache) by :func:`project_qkv`, the
+        module's :meth:`attend`, and W_O over the merged heads. Returns ``(B, N, d_model)``
+        and, with ``need_weights``, the layer's :class:`AttentionMaps`."""
+        q, k, v = project_qkv(self, x, rope, cache, self.value_width_factor * self.head_dim)
+        out, maps = self.attend(x, q, k, v, mask, need_weights)
+        return self.o_proj(merge_heads(out)), maps
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: AttentionMask,
+        need_weights: bool,
+    ) -> tuple[torch.Tensor, AttentionMaps | None]:
+        """The module's attention over its heads: ``(B, H, N, w)`` output heads before W_O,
+        and the maps when ``need_weights`` asks for them. ``x`` is the layer's input (DIFF
+        V2 projects λ from it)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no attend()")
 
 
 def project_qkv(module, x, rope, cache, v_width: int):

@@ -16,14 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffattn.attention.common import (
-    AttentionMaps,
-    ProjectedAttention,
-    merge_heads,
-    project_qkv,
-    with_maps,
-)
-from diffattn.attention.kernels import AttentionMask, differential_attention
+from diffattn.attention.common import ProjectedAttention, with_maps
+from diffattn.attention.kernels import differential_attention
 from diffattn.config import ModelConfig
 from diffattn.layers import RMSNorm, local_share, memo_by_version
 
@@ -39,6 +33,8 @@ def reparameterised_lambda(module: nn.Module) -> torch.Tensor:
 
 class DiffAttentionV1(ProjectedAttention):
     """Eq.3: ``Concat((1 − λ_init)·RMSNorm(DiffAttn_j(X))) W_O`` with λ from Eq.2."""
+
+    value_width_factor = 2  # V heads of width 2d (B, H_kv, N, 2d); K half-heads interleaved
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         # the baseline's projections, read as half-heads of width d
@@ -76,16 +72,9 @@ class DiffAttentionV1(ProjectedAttention):
         vectors = (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
         return memo_by_version(self, "_lambda", vectors, lambda: reparameterised_lambda(self))
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: AttentionMask,
-        need_weights: bool = False,
-        cache=None,
-    ) -> tuple[torch.Tensor, AttentionMaps | None]:
-        # K half-heads interleaved, V heads of width 2d (B, H_kv, N, 2d); cached as computed
-        q, k, v = project_qkv(self, x, rope, cache, 2 * self.head_dim)
+    def attend(self, x, q, k, v, mask, need_weights):
+        """Eq.1 per differential head j on (Q1, Q2) = (2j, 2j+1) and its group's (K1, K2),
+        then Eq.3's per-head RMSNorm × (1 − λ_init)."""
         q1, q2 = q[:, 0::2], q[:, 1::2]
         k1, k2 = k[:, 0::2], k[:, 1::2]
         lam = local_share(self.lambda_full())  # replicated λ, read by this rank's heads
@@ -106,4 +95,4 @@ class DiffAttentionV1(ProjectedAttention):
         )
         if self.head_norm is not None:
             out = self.head_norm(out) * (1.0 - self.lambda_init)
-        return self.o_proj(merge_heads(out)), maps
+        return out, maps

@@ -16,14 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffattn.attention.common import (
-    AttentionMaps,
-    ProjectedAttention,
-    merge_heads,
-    project_qkv,
-    with_maps,
-)
-from diffattn.attention.kernels import AttentionMask, differential_attention_v2
+from diffattn.attention.common import ProjectedAttention, with_maps
+from diffattn.attention.kernels import differential_attention_v2
 from diffattn.config import ModelConfig
 
 
@@ -43,16 +37,8 @@ class DiffAttentionV2(ProjectedAttention):
         lam = self.lambda_proj(x).transpose(1, 2).unsqueeze(-1)
         return torch.sigmoid(lam) if self.config.v2_lambda_sigmoid else lam
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: AttentionMask,
-        need_weights: bool = False,
-        cache=None,
-    ) -> tuple[torch.Tensor, AttentionMaps | None]:
-        q, k, v = project_qkv(self, x, rope, cache, self.head_dim)
-        lam = self.token_lambda(x)
+    def attend(self, x, q, k, v, mask, need_weights):
+        """One softmax attention over the 2h query heads, then ``o_2i − λ_i·o_2i+1``."""
         out, maps = with_maps(
             self.layer_index,
             need_weights,
@@ -60,11 +46,11 @@ class DiffAttentionV2(ProjectedAttention):
             q,
             k,
             v,
-            lam,
+            self.token_lambda(x),
             mask,
             self.scale,
             self.backend,
             paired=self.config.v2_paired_heads,
             layer=self.layer_index,
         )
-        return self.o_proj(merge_heads(out)), maps
+        return out, maps
