@@ -399,3 +399,37 @@ def test_the_mechanism_on_a_settings_class_of_its_own():
     assert Toy.given(Toy(max_heads=2), {"mode": "b"}) == Toy(max_heads=2, mode="b")
     with pytest.raises(TypeError, match="unexpected keyword argument 'verbose'"):
         Toy.given(None, {"verbose": True})  # the command's own option, no setting of run
+
+
+def test_takes_settings_writes_the_run_of_an_experiment():
+    import inspect
+
+    from diffattn.settings import takes_settings
+
+    seen = []
+
+    @takes_settings(Toy)
+    def run(models: list, settings: Toy, quiet: bool) -> dict:
+        """The toy's body."""
+        seen.append((models, settings, quiet))
+        return {"max_heads": settings.max_heads}
+
+    assert run(["m"], max_heads=3) == {"max_heads": 3}
+    assert seen[-1] == (["m"], Toy(max_heads=3), True)
+    run([], Toy(mode="b"), quiet=False, max_heads=2)
+    assert seen[-1] == ([], Toy(max_heads=2, mode="b"), False)
+    with pytest.raises(ValueError, match="--max-heads must be at most 64, got 65"):
+        run([], max_heads=65)  # checked before the body runs
+    with pytest.raises(TypeError, match="run\\(\\) got an unexpected keyword argument 'verbose'"):
+        run([], verbose=True)
+    with pytest.raises(TypeError, match="takes Toy, got dict"):
+        run([], {"max_heads": 2})
+    assert len(seen) == 2
+    parameters = inspect.signature(run).parameters
+    assert list(parameters) == ["models", "settings", "quiet", "changes"]
+    assert parameters["settings"].default is None
+    assert parameters["quiet"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert parameters["quiet"].default is True
+    assert parameters["changes"].kind is inspect.Parameter.VAR_KEYWORD
+    assert run.__doc__ == "The toy's body." and run.__name__ == "run"
+    assert run.body(["x"], Toy(), False) == {"max_heads": 8}  # the body, unchecked

@@ -14,7 +14,8 @@ come
 3. its validation (:meth:`Settings.check`): each bound's own error message, word for word as
    the experiments have always worded it; settings that share one message are checked as one;
 4. the keyword form of ``run`` (:meth:`Settings.given`): ``run(models, settings)``, or
-   ``run(models, windows=3)`` as before, a misspelt name being the ``TypeError`` Python gives;
+   ``run(models, windows=3)`` as before, a misspelt name being the ``TypeError`` Python gives
+   (:func:`takes_settings` writes that ``run`` around an experiment's body);
 5. the report's settings block (:meth:`Settings.report`, from :func:`dataclasses.asdict`).
 
 Why not jsonargparse (or another library that builds parsers from dataclasses): it would be a
@@ -38,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import inspect
 import operator
 import types
 import typing
@@ -51,6 +54,7 @@ RECIPE_DEFAULTS = "data_defaults"
 settings, used when no run's recipe gives them (:func:`diffattn.eval.run_split.resolve`)."""
 
 S = TypeVar("S", bound="Settings")
+R = TypeVar("R")
 SAME: Any = type("Same", (), {"__repr__": lambda self: "SAME"})()
 """``cli_default`` of a setting whose option defaults to the setting's default."""
 
@@ -251,6 +255,40 @@ class Settings:
         ordered = [f for f in kept if not _spec(f).report_last]
         ordered += [f for f in kept if _spec(f).report_last]
         return {f.name: values[f.name] for f in ordered}
+
+
+def takes_settings(
+    settings_type: type[S],
+) -> Callable[[Callable[[Sequence[Any], S, bool], R]], Callable[..., R]]:
+    """The ``run`` of an experiment from its body ``body(models, settings, quiet)``:
+    ``run(models, settings=None, *, quiet=True, **changes)`` takes a ``settings_type`` or its
+    fields by name (:meth:`Settings.given`), checks it (:meth:`Settings.check`) and calls the
+    body. ``inspect.signature(run)`` shows that public signature; ``run.body`` is the body."""
+
+    def decorate(body: Callable[[Sequence[Any], S, bool], R]) -> Callable[..., R]:
+        @functools.wraps(body)
+        def run(models: Sequence[Any], settings: S | None = None, *, quiet: bool = True, **changes):
+            resolved = settings_type.given(settings, changes)
+            resolved.check()
+            return body(models, resolved, quiet)
+
+        keyword, named = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
+        public = inspect.signature(body)
+        models, _, _ = public.parameters.values()
+        run.__signature__ = public.replace(  # type: ignore[attr-defined]
+            parameters=[
+                models,
+                inspect.Parameter(
+                    "settings", named, default=None, annotation=f"{settings_type.__name__} | None"
+                ),
+                inspect.Parameter("quiet", keyword, default=True, annotation="bool"),
+                inspect.Parameter("changes", inspect.Parameter.VAR_KEYWORD, annotation="Any"),
+            ]
+        )
+        run.body = body  # type: ignore[attr-defined]
+        return run
+
+    return decorate
 
 
 def _message(name: str, spec: Spec, low: bool) -> str:

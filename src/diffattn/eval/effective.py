@@ -40,7 +40,7 @@ from diffattn.eval.common import (
     save_axes,
 )
 from diffattn.eval.text import DataSettings, model_windows, open_documents
-from diffattn.settings import like, setting, shared
+from diffattn.settings import like, setting, shared, takes_settings
 
 NAME = "effective"
 HELP = "Dex effective attention: pinv and optimisation estimates and their agreement (App. F.3)"
@@ -123,19 +123,12 @@ def adapted_heads(model: EvalModel, limit: int) -> list[tuple[int, int]]:
     return pairs[:limit]
 
 
-def run(
-    models: Sequence[EvalModel],
-    settings: EffectiveSettings | None = None,
-    *,
-    quiet: bool = True,
-    **changes: Any,
-) -> dict[str, Any]:
+@takes_settings(EffectiveSettings)
+def run(models: Sequence[EvalModel], settings: EffectiveSettings, quiet: bool) -> dict[str, Any]:
     """Effective-attention estimates and their agreement for each model's adapted heads
     (``settings``, or its fields by name: ``run(models, windows=3)``)."""
     from diffattn.dex.effective import head_tensors
 
-    settings = EffectiveSettings.given(settings, changes)
-    settings.check()
     docs, results = open_documents(settings, settings.seed)
     for model in models:
         heads = adapted_heads(model, settings.max_heads)

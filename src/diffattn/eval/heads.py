@@ -53,7 +53,7 @@ from diffattn.eval.common import (
 from diffattn.eval.text import WINDOW_BOUNDS, DataSettings, measure_windows, padded
 from diffattn.eval.text import model_windows as model_windows  # importable from here too
 from diffattn.probe import AttentionEntropy, Capture, HeadOutputs, Probe
-from diffattn.settings import like, setting, shared
+from diffattn.settings import like, setting, shared, takes_settings
 
 NAME = "heads"
 HELP = "per-head sparsity, entropy, signs, redundancy (cosine, CKA), importance (Dex §2)"
@@ -392,17 +392,10 @@ def analyse_model(
     return entry
 
 
-def run(
-    models: Sequence[EvalModel],
-    settings: HeadsSettings | None = None,
-    *,
-    quiet: bool = True,
-    **changes: Any,
-) -> dict[str, Any]:
+@takes_settings(HeadsSettings)
+def run(models: Sequence[EvalModel], settings: HeadsSettings, quiet: bool) -> dict[str, Any]:
     """Per-head analyses of every model on the same documents (see the module docstring);
     ``settings``, or its fields by name (``run(models, seq_len=256)``)."""
-    settings = HeadsSettings.given(settings, changes)
-    settings.check()
 
     def measure(model: EvalModel, pieces: list[list[int]]) -> dict[str, Any]:
         return analyse_model(model, pieces, settings.batch_size, quiet)

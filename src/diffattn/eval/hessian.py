@@ -39,7 +39,7 @@ from diffattn.eval.common import (
     save_axes,
 )
 from diffattn.eval.text import WINDOW_BOUNDS, DataSettings, measure_windows, padded_batches
-from diffattn.settings import like, setting, shared
+from diffattn.settings import like, setting, shared, takes_settings
 
 NAME = "hessian"
 HELP = "dominant Hessian eigenvalue per batch and its spectrum over batches (Dex §2.4, Fig 7)"
@@ -188,17 +188,10 @@ def model_spectrum(
     }
 
 
-def run(
-    models: Sequence[EvalModel],
-    settings: HessianSettings | None = None,
-    *,
-    quiet: bool = True,
-    **changes: Any,
-) -> dict[str, Any]:
+@takes_settings(HessianSettings)
+def run(models: Sequence[EvalModel], settings: HessianSettings, quiet: bool) -> dict[str, Any]:
     """Dominant Hessian eigenvalue of each of ``batches`` batches, per model (``settings``, or
     its fields by name: ``run(models, batches=4)``)."""
-    settings = HessianSettings.given(settings, changes)
-    settings.check()
 
     def spectrum(model: EvalModel, pieces: list[list[int]]) -> dict[str, Any]:
         return model_spectrum(

@@ -60,7 +60,7 @@ from diffattn.eval.common import (
 from diffattn.eval.icl_data import DATASETS, Example, ICLData, ICLFormat, load_dataset
 from diffattn.eval.label_trie import LabelTrie, SharedPrefix, greedy_labels, label_logprobs
 from diffattn.eval.text import context_limit
-from diffattn.settings import Settings, setting, shared
+from diffattn.settings import Settings, setting, shared, takes_settings
 
 NAME = "icl"
 HELP = "many-shot in-context classification by shots and its robustness to order (DIFF Fig 6/7)"
@@ -342,18 +342,11 @@ def evaluate_model(
     }
 
 
-def run(
-    models: Sequence[EvalModel],
-    settings: IclSettings | None = None,
-    *,
-    quiet: bool = True,
-    **changes: Any,
-) -> dict[str, Any]:
+@takes_settings(IclSettings)
+def run(models: Sequence[EvalModel], settings: IclSettings, quiet: bool) -> dict[str, Any]:
     """Many-shot ICL accuracy of every model on the same demonstrations and test items
     (``settings``, or its fields by name: ``run(models, shots=[0, 4], budget=512)``)."""
-    settings = IclSettings.given(settings, changes)
     shots = parse_shots(settings.shots)
-    settings.check()
     dataset, seed, test_items = settings.dataset, settings.seed, settings.test_items
     seed_everything(seed)
     loaded = load_dataset(dataset, settings.data, classes=settings.classes, seed=seed)

@@ -54,7 +54,7 @@ from diffattn.eval.text import (
     window_nll,
     windows,
 )
-from diffattn.settings import setting, shared
+from diffattn.settings import setting, shared, takes_settings
 
 NAME = "loss"
 HELP = "validation loss with AR-Hit / Others slices and cumulative NLL by position (DIFF Tab 6)"
@@ -186,20 +186,13 @@ def cumulative_nll(pieces, nlls, owner, seq_len: int) -> list[float]:
     return running.mean(0).tolist()
 
 
-def run(
-    models: Sequence[EvalModel],
-    settings: LossSettings | None = None,
-    *,
-    quiet: bool = True,
-    **changes: Any,
-) -> dict[str, Any]:
+@takes_settings(LossSettings)
+def run(models: Sequence[EvalModel], settings: LossSettings, quiet: bool) -> dict[str, Any]:
     """Fine-grained loss of every model on the same documents (see the module docstring);
     ``settings``, or its fields by name (``run(models, seq_len=256)``)."""
-    settings = LossSettings.given(settings, changes)
     k = settings.exclude_frequent
     if k and not settings.train_data:
         raise ValueError("--exclude-frequent needs --train-data to count n-grams on")
-    settings.check()
     docs, results = open_documents(settings, settings.seed)
     train_docs = (
         documents(settings.train_data, "all", settings.valid_fraction, settings.data_seed)

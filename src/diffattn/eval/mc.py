@@ -41,7 +41,7 @@ from diffattn.eval.common import (
 from diffattn.eval.loglik import Score, score
 from diffattn.eval.mc_data import SOURCES, SPLITS, load_task, parse_data_specs
 from diffattn.eval.mc_tasks import TASKS, Item, shot_context
-from diffattn.settings import Settings, setting, shared
+from diffattn.settings import Settings, setting, shared, takes_settings
 
 NAME = "mc"
 HELP = "zero-/k-shot multiple choice: HellaSwag, ARC, PIQA, WinoGrande, BoolQ, OBQA, COPA"
@@ -173,17 +173,10 @@ def task_names(
     return names, paths
 
 
-def run(
-    models: Sequence[EvalModel],
-    settings: McSettings | None = None,
-    *,
-    quiet: bool = True,
-    **changes: Any,
-) -> dict[str, Any]:
+@takes_settings(McSettings)
+def run(models: Sequence[EvalModel], settings: McSettings, quiet: bool) -> dict[str, Any]:
     """Every model on every task's items (see the module docstring); ``settings``, or its
     fields by name (``run(models, tasks=["piqa"], limit=10)``)."""
-    settings = McSettings.given(settings, changes)
-    settings.check()
     names, paths = task_names(settings.tasks, settings.data)
     seed, shots, limit = settings.seed, settings.shots, settings.limit
     seed_everything(seed)

@@ -85,7 +85,7 @@ from diffattn.eval.common import (
     seed_everything,
 )
 from diffattn.eval.text import context_limit
-from diffattn.settings import Settings, setting, shared
+from diffattn.settings import Settings, setting, shared, takes_settings
 
 NAME = "needle"
 HELP = "multi-needle retrieval by depth and length, attention to answer and noise (DIFF Tab 2/3)"
@@ -524,17 +524,10 @@ def _label(depth: float) -> str:
     return f"{depth:g}%"
 
 
-def run(
-    models: Sequence[EvalModel],
-    settings: NeedleSettings | None = None,
-    *,
-    quiet: bool = True,
-    **changes: Any,
-) -> dict[str, Any]:
+@takes_settings(NeedleSettings)
+def run(models: Sequence[EvalModel], settings: NeedleSettings, quiet: bool) -> dict[str, Any]:
     """Multi-needle retrieval of every model on the same samples (see the module docstring);
     ``settings``, or its fields by name (``run(models, needles=4)``)."""
-    settings = NeedleSettings.given(settings, changes)
-    settings.check()
     needles, queries, samples = settings.needles, settings.queries, settings.samples
     if queries > needles:
         raise ValueError(f"--queries {queries} exceeds --needles {needles}")
