@@ -95,6 +95,20 @@ def _translate(kwargs: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def _derived(model_name: str, field: str | None, doc: str) -> property:
+    """An HF attribute derived from the :class:`ModelConfig`: read as ``model_name`` of
+    :meth:`DiffAttnConfig.to_model_config`, written (when ``field`` is given) as the
+    diffattn field ``field`` (an ``int``)."""
+
+    def read(config: DiffAttnConfig) -> int:
+        return getattr(config.to_model_config(), model_name)
+
+    def write(config: DiffAttnConfig, value: int) -> None:
+        setattr(config, field, int(value))
+
+    return property(read, None if field is None else write, doc=doc)
+
+
 class DiffAttnConfig(PretrainedConfig):
     """HF config for ``DiffAttnForCausalLM`` (``model_type = "diffattn"``)."""
 
@@ -148,27 +162,17 @@ class DiffAttnConfig(PretrainedConfig):
         factor = 2 if getattr(self, "attention", "baseline") == "diff_v1" else 1
         self.n_heads = int(value) * factor
 
-    @property
-    def num_key_value_heads(self) -> int:
-        """Key heads of width ``head_dim`` in the cache (``n_kv_heads``, or ``n_heads``)."""
-        return self.to_model_config().num_kv_heads
-
-    @num_key_value_heads.setter
-    def num_key_value_heads(self, value: int) -> None:
-        self.n_kv_heads = int(value)
-
-    @property
-    def intermediate_size(self) -> int:
-        """The SwiGLU hidden size (``ffn_hidden``, or its default from ``d_model``)."""
-        return self.to_model_config().ffn_dim
-
-    @intermediate_size.setter
-    def intermediate_size(self, value: int) -> None:
-        self.ffn_hidden = int(value)
-
-    @property
-    def ffn_dim(self) -> int:
-        return self.to_model_config().ffn_dim
+    num_key_value_heads = _derived(
+        "num_kv_heads",
+        "n_kv_heads",
+        "Key heads of width ``head_dim`` in the cache (``n_kv_heads``, or ``n_heads``).",
+    )
+    intermediate_size = _derived(
+        "ffn_dim",
+        "ffn_hidden",
+        "The SwiGLU hidden size (``ffn_hidden``, or its default from ``d_model``).",
+    )
+    ffn_dim = _derived("ffn_dim", None, "The SwiGLU hidden size (read only).")
 
     def to_model_config(self) -> ModelConfig:
         """The validated :class:`ModelConfig` these settings describe."""
