@@ -19,6 +19,7 @@ writes ``tokenizer.json`` and ``tokenizer_config.json``, which
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -129,7 +130,28 @@ def _token_content(value: Any) -> str | None:
     return None
 
 
-class HFTokenizer:
+class _WrappedTokenizer:
+    """What the two tokenizer classes share: the EOS id their ``__init__`` found, and a
+    fingerprint of the wrapped tokenizer, hashed once (SHA-256 of what :meth:`_digest`
+    feeds it)."""
+
+    _eos_id: int
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos_id
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        self._digest(digest)
+        return digest.hexdigest()
+
+    def _digest(self, digest: Any) -> None:
+        raise NotImplementedError
+
+
+class HFTokenizer(_WrappedTokenizer):
     """A ``tokenizers.Tokenizer`` with an EOS token: BPE trained here or loaded from disk."""
 
     def __init__(self, tokenizer: Any, *, eos_token: str, name: str) -> None:
@@ -144,11 +166,6 @@ class HFTokenizer:
         self._eos_id = int(eos_id)
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self._vocab_size = max(vocab.values()) + 1
-        self._fingerprint: str | None = None
-
-    @property
-    def eos_id(self) -> int:
-        return self._eos_id
 
     @property
     def vocab_size(self) -> int:
@@ -159,12 +176,8 @@ class HFTokenizer:
         """The wrapped ``tokenizers.Tokenizer``."""
         return self._tokenizer
 
-    @property
-    def fingerprint(self) -> str:
-        if self._fingerprint is None:
-            payload = f"{self.eos_token}\n{self._serialized()}"
-            self._fingerprint = hashlib.sha256(payload.encode("utf-8")).hexdigest()
-        return self._fingerprint
+    def _digest(self, digest: Any) -> None:
+        digest.update(f"{self.eos_token}\n{self._serialized()}".encode())
 
     def _serialized(self) -> str:
         self._tokenizer.encode_special_tokens = False
@@ -483,7 +496,7 @@ def _load_tiktoken(name: str) -> Any:
         ) from error
 
 
-class TiktokenTokenizer:
+class TiktokenTokenizer(_WrappedTokenizer):
     """A ``tiktoken`` encoding; ordinary-text encoding, EOS ``<|endoftext|>``."""
 
     def __init__(self, encoding_name: str, *, num_threads: int | None = None) -> None:
@@ -496,7 +509,6 @@ class TiktokenTokenizer:
             raise ValueError(f"tiktoken encoding {encoding_name!r} has no {EOS_TOKEN!r} token")
         self._eos_id = int(specials[EOS_TOKEN])
         self._num_threads = num_threads or max(1, os.cpu_count() or 1)
-        self._fingerprint: str | None = None
 
     @property
     def encoding(self) -> Any:
@@ -504,24 +516,15 @@ class TiktokenTokenizer:
         return self._encoding
 
     @property
-    def eos_id(self) -> int:
-        return self._eos_id
-
-    @property
     def vocab_size(self) -> int:
         return int(self._encoding.n_vocab)
 
-    @property
-    def fingerprint(self) -> str:
-        if self._fingerprint is None:
-            digest = hashlib.sha256()
-            digest.update(self._encoding._pat_str.encode("utf-8"))
-            for token, rank in self._encoding._mergeable_ranks.items():
-                digest.update(rank.to_bytes(4, "little") + len(token).to_bytes(2, "little"))
-                digest.update(token)
-            digest.update(json.dumps(self._encoding._special_tokens, sort_keys=True).encode())
-            self._fingerprint = digest.hexdigest()
-        return self._fingerprint
+    def _digest(self, digest: Any) -> None:
+        digest.update(self._encoding._pat_str.encode("utf-8"))
+        for token, rank in self._encoding._mergeable_ranks.items():
+            digest.update(rank.to_bytes(4, "little") + len(token).to_bytes(2, "little"))
+            digest.update(token)
+        digest.update(json.dumps(self._encoding._special_tokens, sort_keys=True).encode())
 
     def encode(self, text: str) -> list[int]:
         return self._encoding.encode_ordinary(text)
