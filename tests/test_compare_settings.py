@@ -86,7 +86,8 @@ def test_every_option_is_a_setting_of_compare_options():
     measured = [f.name for f in dataclasses.fields(MeasurementOptions)]
     at = own.index("device")  # the measurement options stand where eval_settings is
     assert dests == own[:at] + measured + own[at:]
-    assert "setting" not in CompareOptions.__dataclass_fields__["eval_settings"].metadata
+    spec = CompareOptions.__dataclass_fields__["eval_settings"].metadata["setting"]
+    assert spec.nested is MeasurementOptions  # declared as nested(), not by an override
 
 
 def test_options_built_by_hand_keep_their_sequences_as_tuples():

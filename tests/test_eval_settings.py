@@ -433,3 +433,26 @@ def test_takes_settings_writes_the_run_of_an_experiment():
     assert parameters["changes"].kind is inspect.Parameter.VAR_KEYWORD
     assert run.__doc__ == "The toy's body." and run.__name__ == "run"
     assert run.body(["x"], Toy(), False) == {"max_heads": 8}  # the body, unchecked
+
+
+def test_a_nested_setting_takes_the_options_of_its_settings_class_in_its_place():
+    import argparse
+
+    from diffattn.settings import nested
+
+    @dataclass(frozen=True)
+    class Outer(Settings):
+        before: int = setting(1)
+        toy: dict = nested(Toy, lambda toy: {"heads": toy.max_heads}, default=dict)  # noqa: RUF009
+        after: str = setting("z")
+
+    parser = argparse.ArgumentParser()
+    Outer.add_arguments(parser)
+    dests = [a.dest for a in parser._actions if a.dest != "help"]
+    assert dests == ["before", "max_heads", "mode", "sizes", "verbose", "first", "last", "after"]
+    parsed = Outer.from_args(parser.parse_args(["--max-heads", "5", "--after", "y"]))
+    assert parsed == Outer(before=1, toy={"heads": 5}, after="y")
+    assert Outer().toy == {} and Outer().toy is not Outer().toy  # a fresh default each time
+    Outer(toy={"heads": 70}).check()  # the built value is not checked against Toy's bounds
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-heads", "x"])  # argparse's own error, as in Toy

@@ -86,6 +86,7 @@ class Spec:
     action: str | None = None
     type: Callable[[str], Any] | None = None
     suppress: bool = False
+    nested: type[Settings] | None = None
 
 
 def setting(default: Any = MISSING, **spec: Any) -> Any:
@@ -124,6 +125,16 @@ def progress_switch(help: str = "no progress output") -> Any:
     under ``quiet`` on the command line, the setting is its negation."""
     return setting(
         True, flag="--quiet", dest="quiet", cli_default=False, parse=operator.not_, help=help
+    )
+
+
+def nested(options: type[Settings], build: Callable[[Any], Any], default: Callable[[], Any]) -> Any:
+    """A setting whose command-line options are those of the settings class ``options``,
+    added in its place (field order); parsed, it is ``build(options.from_args(args))``.
+    ``default()`` makes its default (a setting that is itself an object of settings, such as
+    ``diffattn compare``'s measurements)."""
+    return dataclasses.field(
+        default_factory=default, metadata={"setting": Spec(nested=options, parse=build)}
     )
 
 
@@ -180,6 +191,9 @@ class Settings:
             spec = _spec(f)
             if spec.shared:
                 continue
+            if spec.nested is not None:
+                spec.nested.add_arguments(parser)
+                continue
             if spec.recipe:
                 recipe[f.name] = _shown(f.default)
             target = parser
@@ -198,6 +212,9 @@ class Settings:
         values = {}
         for f in fields(cls):
             spec = _spec(f)
+            if spec.nested is not None:
+                values[f.name] = spec.parse(spec.nested.from_args(args))
+                continue
             value = getattr(args, spec.dest or f.name)
             if spec.parse is not None:  # an option left out (None) is the setting's default
                 value = f.default if value is None else spec.parse(value)

@@ -28,11 +28,9 @@ checkpoints) and rewrites the report; an ``OUT`` holding a different plan is ref
 
 from __future__ import annotations
 
-import argparse
 import time
-import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import dataclass
 from functools import partial
 from importlib import resources
 from pathlib import Path
@@ -41,7 +39,7 @@ from typing import Any
 
 from diffattn.compare.evaluate import EvalSettings, MeasurementOptions
 from diffattn.compare.report import RunSummary, summarise_run, write_report
-from diffattn.settings import Settings, progress_switch, setting
+from diffattn.settings import Settings, nested, progress_switch, setting
 from diffattn.train.cli import recipe_overrides
 
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
@@ -102,7 +100,9 @@ class CompareOptions(Settings):
         help="train and report losses only: no measurements, no claims table",
     )
     """Measure every trained model (:mod:`diffattn.compare.evaluate`) and judge the claims."""
-    eval_settings: EvalSettings = field(default_factory=EvalSettings)
+    eval_settings: EvalSettings = nested(  # noqa: RUF009 (a field, as every setting())
+        MeasurementOptions, MeasurementOptions.eval_settings, default=EvalSettings
+    )
     """What is measured; on the command line, the options of :class:`MeasurementOptions`."""
     device: str | None = setting(None, help="auto, cpu or cuda (both parts)")
     attentions: tuple[str, ...] = setting(
@@ -122,35 +122,6 @@ class CompareOptions(Settings):
     def __post_init__(self) -> None:
         self.attentions = tuple(self.attentions)
         self.overrides = tuple(self.overrides)
-
-    @classmethod
-    def add_arguments(cls, parser: Any) -> None:
-        """The options of ``diffattn compare``: each setting's, in field order
-        (:meth:`Settings.add_arguments`), with :class:`MeasurementOptions`' in place of
-        ``eval_settings``."""
-        names = [f.name for f in fields(cls)]
-        at = names.index("eval_settings")
-        _settings_named(cls, names[:at]).add_arguments(parser)
-        MeasurementOptions.add_arguments(parser)
-        _settings_named(cls, names[at + 1 :]).add_arguments(parser)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> CompareOptions:
-        """The options of a parsed command line (``eval_settings`` from
-        :class:`MeasurementOptions`)."""
-        measured = MeasurementOptions.from_args(args).eval_settings()
-        return super().from_args(argparse.Namespace(**vars(args), eval_settings=measured))
-
-
-def _settings_named(cls: type[Settings], names: Sequence[str]) -> type[Settings]:
-    """The settings class of ``cls``' settings ``names`` alone (to add their options)."""
-    hints = typing.get_type_hints(cls)
-    kept = [
-        (f.name, hints[f.name], field(default=f.default, metadata=f.metadata))
-        for f in fields(cls)
-        if f.name in names
-    ]
-    return make_dataclass(cls.__name__, kept, bases=(Settings,), frozen=True)
 
 
 @dataclass
