@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
+from diffattn.dex.train import CALIBRATION_BATCHES, DexTrainOptions
 from diffattn.dex.train import DexModelSettings as ModelSettings
-from diffattn.dex.train import DexTrainOptions
 from diffattn.settings import Settings, like, setting
 
 DESCRIPTION = (
@@ -47,7 +47,7 @@ class SelectSettings(ModelSettings):
         None, type=float, parse=_k, help="heads per layer (default: half)"
     )
     order: Literal["high", "low"] | None = setting(None)
-    batches: int = setting(2, help="calibration batches")
+    batches: int = setting(CALIBRATION_BATCHES, help="calibration batches")
     out: str | None = setting(None, help="JSON file for the selection")
 
 

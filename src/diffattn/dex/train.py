@@ -550,6 +550,10 @@ def merge_run(
 
 # ----------------------------------------------------------------------------------------
 # dex select
+CALIBRATION_BATCHES = 2
+"""Training-split batches :func:`select_run` scores the heads on (``dex select --batches``)."""
+
+
 def select_run(
     model: str,
     method: str,
@@ -557,7 +561,7 @@ def select_run(
     order: str | None,
     out: str | Path | None,
     overrides: Sequence[str] = (),
-    batches: int = 2,
+    batches: int = CALIBRATION_BATCHES,
     progress: bool = DexModelSettings.progress,
 ) -> Any:
     """Score and select heads of ``model`` on training-split batches (§3.2); save as JSON."""
