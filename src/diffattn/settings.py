@@ -9,7 +9,8 @@ come
 
 1. the command's options (:meth:`Settings.add_arguments`): option strings, ``type``,
    ``nargs``, ``choices``, ``default``, ``metavar`` and ``help`` (where ``{default}`` is
-   replaced by the field's default, a tuple written as its items separated by spaces);
+   replaced by the field's default, a tuple written as its items separated by spaces); a
+   :func:`nested` setting contributes the options of its own settings class in its place;
 2. the settings object from the parsed command line (:meth:`Settings.from_args`);
 3. its validation (:meth:`Settings.check`): each bound's own error message, word for word as
    the experiments have always worded it; settings that share one message are checked as one;
