@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
+from diffattn.dex.selection import DEFAULT_METHOD
 from diffattn.dex.train import CALIBRATION_BATCHES, DexTrainOptions
 from diffattn.dex.train import DexModelSettings as ModelSettings
 from diffattn.settings import Settings, like, setting
@@ -42,7 +43,7 @@ def _k(value: float) -> int | float:
 class SelectSettings(ModelSettings):
     """The settings of ``diffattn dex select``."""
 
-    method: Literal["entropy", "importance"] = setting("entropy")
+    method: Literal["entropy", "importance"] = setting(DEFAULT_METHOD)
     k: int | float | None = setting(
         None, type=float, parse=_k, help="heads per layer (default: half)"
     )

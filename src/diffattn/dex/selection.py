@@ -32,6 +32,9 @@ from diffattn.probe.analysis import head_importance as probe_head_importance
 
 METHODS = ("importance", "entropy", "all", "explicit")
 DEFAULT_ORDER = {"importance": "low", "entropy": "high"}
+DEFAULT_METHOD = "entropy"
+"""The head selection used unless one is named: the highest-entropy heads, the best of Dex's
+ablation (Table 4)."""
 
 
 @dataclass
@@ -263,7 +266,7 @@ def _top_k(scores: torch.Tensor, k: int, order: str) -> dict[int, tuple[int, ...
 def select_heads(
     model: nn.Module,
     batches: Any = None,
-    method: str = "entropy",
+    method: str = DEFAULT_METHOD,
     k: int | float | None = None,
     order: str | None = None,
 ) -> HeadSelection:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffattn.dex.selection import DEFAULT_METHOD
 from diffattn.fileio import (
     CheckpointError,
     atomic_directory,
@@ -84,7 +85,9 @@ class DexTrainOptions(DexModelSettings):
     """Settings of :func:`train_dex`: the options of ``diffattn dex train``."""
 
     out: str = setting(required=True, help="run directory")
-    heads: str = setting("entropy", help="{default} (default), importance, all, or a JSON file")
+    heads: str = setting(
+        DEFAULT_METHOD, help="{default} (default), importance, all, or a JSON file"
+    )
     """``entropy`` / ``importance`` (selected on training-split batches, half the heads,
     the paper's default orders), ``all``, or a JSON file."""
     steps: int = setting(100, help="optimizer steps")
