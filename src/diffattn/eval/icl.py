@@ -112,6 +112,11 @@ class IclSettings(Settings):
     batch_size: int = shared(CommonOptions, "batch_size", error=COUNTS)
     seed: int = shared(CommonOptions, "seed")
 
+    def check(self) -> None:
+        """``shots`` as :func:`parse_shots` reads them, then every setting's bounds."""
+        parse_shots(self.shots)
+        super().check()
+
 
 add_arguments = IclSettings.add_arguments
 

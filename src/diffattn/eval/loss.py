@@ -75,6 +75,13 @@ class LossSettings(DataSettings):
     batch_size: int = shared(CommonOptions, "batch_size", error=WINDOW_BOUNDS)
     seed: int = shared(CommonOptions, "seed")
 
+    def check(self) -> None:
+        """The one check across settings (frequent n-grams are counted on ``train_data``),
+        then every setting's bounds."""
+        if self.exclude_frequent and not self.train_data:
+            raise ValueError("--exclude-frequent needs --train-data to count n-grams on")
+        super().check()
+
 
 add_arguments = LossSettings.add_arguments
 
@@ -191,8 +198,6 @@ def run(models: Sequence[EvalModel], settings: LossSettings, quiet: bool) -> dic
     """Fine-grained loss of every model on the same documents (see the module docstring);
     ``settings``, or its fields by name (``run(models, seq_len=256)``)."""
     k = settings.exclude_frequent
-    if k and not settings.train_data:
-        raise ValueError("--exclude-frequent needs --train-data to count n-grams on")
     docs, results = open_documents(settings, settings.seed)
     train_docs = (
         documents(settings.train_data, "all", settings.valid_fraction, settings.data_seed)
