@@ -145,6 +145,9 @@ def test_paper_13b_is_about_13_billion_parameters():
         ({"keep_last": 0}, "keep_last"),
         ({"spike_factor": 0.5}, "spike_factor"),
         ({"fsdp_init": "sharded"}, "fsdp_init"),
+        ({"selective_ac": 2}, "selective_ac"),  # activation_checkpointing: none
+        ({"activation_checkpointing": "full", "selective_ac": 2}, "selective_ac"),
+        ({"activation_checkpointing": True, "selective_ac": 2}, "selective_ac"),
     ],
 )
 def test_invalid_setting_is_one_error_naming_the_key(tmp_path, changes, key):
@@ -272,6 +275,8 @@ def test_command_rejects_bad_settings_with_exit_2_and_writes_nothing(tmp_path, c
         (["--steps", "0"], "steps"),
         (["--set", "schedule.warmup_steps=80"], "schedule.warmup_steps"),
         (["--set", "parallel=fsdp"], "parallel"),
+        (["--set", "selective_ac=2"], "selective_ac"),
+        (["--set", "model=null"], "model"),
     ]:
         assert train_command.run(_args(path, out, *extra)) == 2
         err = capsys.readouterr().err

@@ -385,6 +385,47 @@ def test_a_child_merges_over_its_base(tmp_path):
     }
 
 
+def test_a_section_left_empty_keeps_the_base_section(tmp_path):
+    base = {
+        "model": {"preset": "tiny", "attention": "diff_v1", "n_layers": 3},
+        "data": {"sources": ["stdlib"], "tokenizer": "bpe:512"},
+        "optim": {"lr": 1e-3, "betas": [0.9, 0.98]},
+        "schedule": {"warmup_steps": 5, "total_steps": 50},
+        "steps": 20,
+    }
+    _write(tmp_path / "base.yaml", base)
+    child = tmp_path / "child.yaml"
+    child.write_text(
+        "base: base.yaml\n"
+        "model:\n  # attention: diff_v2\n  # n_layers: 2\n"
+        "data:\n  # sources: [other.jsonl]\n"
+        "optim:\n"
+        "schedule: {}\n"
+        "steps: 30\n",
+        encoding="utf-8",
+    )
+    assert read_recipe(child) == {**base, "steps": 30}
+    config = load_config(child)
+    assert config.model.attention == "diff_v1" and config.model_config().n_layers == 3
+    assert config.optim.betas == (0.9, 0.98) and config.schedule.total_steps == 50
+    assert config.data["tokenizer"] == "bpe:512"
+
+
+def test_empty_sections_alone_are_the_defaults(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("model:\ndata:\noptim:\nschedule:\n", encoding="utf-8")
+    assert load_config(path).to_dict() == TrainConfig().to_dict()
+
+
+def test_set_merges_into_a_section_and_refuses_to_empty_one(tmp_path):
+    base = {"model": {"preset": "tiny", "attention": "diff_v1"}, "steps": 5}
+    path = _write(tmp_path / "r.yaml", base)
+    config = load_config(path, ["model={n_layers: 3}"])
+    assert config.model.attention == "diff_v1" and config.model_config().n_layers == 3
+    for value in ("null", "{}"):
+        _load_error(path, "model", "would change nothing", overrides=[f"model={value}"])
+
+
 def test_bases_chain_and_resolve_from_each_recipe_directory(tmp_path, monkeypatch):
     _write(tmp_path / "shared" / "root.yaml", {"steps": 10, "seed": 1, "seq_len": 64})
     _write(tmp_path / "shared" / "mid.yaml", {"base": "root.yaml", "seed": 2})

@@ -63,6 +63,9 @@ _MODEL_FIELDS = tuple(
 # The model section's own keys, beside the ModelConfig fields.
 _MATCH_KEYS = ("match_multiple_of", "match_params")
 _SECTION_KEYS = ("preset", "attention", *_MATCH_KEYS)
+SECTIONS = ("model", "data", "optim", "schedule")
+"""The recipe's sections: mappings of entries. One left empty (null) changes nothing: over a
+base recipe's it keeps the base's (:func:`merge_recipes`), alone it is the defaults."""
 
 
 # ----------------------------------------------------------------------------------------
@@ -234,8 +237,9 @@ class TrainConfig:
         unknown = sorted(set(data) - set(known))
         if unknown:
             raise ConfigError(unknown[0], f"unknown key; valid keys are {', '.join(known)}")
-        values = dict(data)
-        model = ModelSection.from_dict(values.pop("model", None) or {})
+        # a section left empty (null: its entries all commented out) is its defaults
+        values = {k: v for k, v in data.items() if not (v is None and k in SECTIONS)}
+        model = ModelSection.from_dict(values.pop("model", {}))
         config = _build_dataclass(cls, values, "")
         config.model = model
         config.validate()
@@ -273,6 +277,13 @@ class TrainConfig:
         ):
             raise ConfigError(
                 "selective_ac", f"expected 'op' or a block interval k >= 1, got {choice!r}"
+            )
+        if choice != "op" and self.activation_checkpointing != "selective":
+            raise ConfigError(
+                "selective_ac",
+                f"{choice!r} applies only with activation_checkpointing: selective, not "
+                f"{self.activation_checkpointing}; set activation_checkpointing: selective, or "
+                "leave selective_ac out",
             )
         if self.async_checkpoint and self.checkpoint_format == "full":
             raise ConfigError(
@@ -496,6 +507,7 @@ __all__ = [
     "DTYPES",
     "OTHER_COMMANDS_SECTIONS",
     "PARALLEL_MODES",
+    "SECTIONS",
     "ConfigError",
     "ModelSection",
     "OptimSection",

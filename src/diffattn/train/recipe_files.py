@@ -44,14 +44,24 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
 
 def merge_recipes(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
     """``child`` over ``base``: where both hold a mapping under a key they merge key by key
-    (recursively); anything else in ``child`` (a scalar, a list, null) replaces the base's."""
+    (recursively); anything else in ``child`` (a scalar, a list, a null entry) replaces the
+    base's. A section (a top-level mapping of ``base``, such as ``model``) that ``child``
+    leaves empty, null as YAML reads a section whose entries are all commented out, changes
+    nothing: the base's section stays."""
     out = dict(base)
     for key, value in child.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge_recipes(out[key], value)
-        else:
-            out[key] = value
+        if value is None and isinstance(out.get(key), dict):
+            continue
+        out[key] = _merged(out.get(key), value)
     return out
+
+
+def _merged(base: Any, value: Any) -> Any:
+    """``value`` over ``base``: two mappings merge key by key (recursively), anything else in
+    ``value`` replaces ``base``."""
+    if not (isinstance(value, dict) and isinstance(base, dict)):
+        return value
+    return {**base, **{key: _merged(base.get(key), item) for key, item in value.items()}}
 
 
 def _read_with_bases(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
@@ -113,6 +123,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
             raise ConfigError(
                 BASE_KEY, "is read from the recipe file before overrides; --set cannot change it"
             )
+        if len(parts) == 1 and isinstance(out.get(key), dict):
+            value = _section_override(key, value, out[key])
         node = out
         for depth, part in enumerate(parts[:-1]):
             child = node.get(part)
@@ -123,3 +135,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
             node = child
         node[parts[-1]] = value
     return out
+
+
+def _section_override(key: str, value: Any, section: dict[str, Any]) -> Any:
+    """``--set SECTION=VALUE`` over the recipe's ``section``: a mapping merges into it as a
+    recipe merges over its base; an empty one (null or ``{}``) is refused, since it would
+    change nothing where the recipe's entries were meant to go."""
+    if value is None or value == {}:
+        raise ConfigError(
+            key,
+            f"is a section; --set {key}={'null' if value is None else '{}'} would change "
+            f"nothing (an empty section keeps the recipe's entries); set an entry instead, "
+            f"e.g. --set {key}.NAME=VALUE",
+        )
+    return _merged(section, value)
