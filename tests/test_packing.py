@@ -254,3 +254,27 @@ def test_flash_hands_each_document_to_varlen_as_one_sequence(monkeypatch, padded
         torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
     cu, longest = document_sequences(document_runs(ids), torch.ones(2, n, dtype=torch.bool))
     assert cu.tolist() == [0, 1, 8, 137, 266, 273, 274] and longest == 129
+
+
+def test_documents_that_are_not_an_integer_tensor_are_refused_by_name():
+    model = model_for("baseline", "auto")
+    ids, document_ids, _ = packed([3, 4])
+    for given in (document_ids.tolist(), document_ids.numpy()):
+        with pytest.raises(TypeError, match=r"document_ids must be a torch.Tensor of integers"):
+            model(ids, document_ids=given)
+    for dtype in (torch.complex64, torch.bool, torch.float32):
+        with pytest.raises(ValueError, match=rf"integer tensor of shape \(1, 7\), got {dtype}"):
+            model(ids, document_ids=document_ids.to(dtype))
+
+
+def test_a_loss_over_no_target_is_an_error_not_a_nan():
+    """Rows of one-token documents (and rows of one token) have nothing to predict."""
+    model = model_for("baseline", "auto")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match="no loss target"):
+        model(ids, labels=ids, document_ids=torch.tensor([[0, 1, 2, 3]]))
+    with pytest.raises(ValueError, match="no loss target"):
+        model(ids[:, :1], labels=ids[:, :1])
+    # one target left (the first document has two tokens): a finite mean
+    loss = model(ids, labels=ids, document_ids=torch.tensor([[0, 0, 1, 2]])).loss
+    assert torch.isfinite(loss)

@@ -137,6 +137,22 @@ def documents_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
     return F.pad(restarts.long().cumsum(-1), (1, 0))
 
 
+def _check_documents(document_ids, bsz: int, n: int) -> None:
+    """Refuse ``document_ids`` that are not a ``(bsz, n)`` tensor of integers."""
+    if not isinstance(document_ids, torch.Tensor):
+        raise TypeError(
+            f"document_ids must be a torch.Tensor of integers, shape ({bsz}, {n}), got "
+            f"{type(document_ids).__name__} (convert it with torch.as_tensor)"
+        )
+    dtype = document_ids.dtype
+    integer = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    if document_ids.shape != (bsz, n) or not integer:
+        raise ValueError(
+            f"document_ids must be an integer tensor of shape ({bsz}, {n}), got "
+            f"{dtype} {tuple(document_ids.shape)}"
+        )
+
+
 def document_runs(document_ids: torch.Tensor) -> torch.Tensor:
     """``(B, N)`` index of each token's run of equal ids, from 0 per row: the documents as the
     mask, RoPE and the loss all read them (``[0, 1, 0]`` is three documents, not two)."""
@@ -415,11 +431,8 @@ class DiffTransformerLM(nn.Module):
             document_ids = documents_from_positions(position_ids.expand(bsz, n))
             if document_ids is None:
                 return None
-        elif document_ids.shape != (bsz, n) or document_ids.dtype.is_floating_point:
-            raise ValueError(
-                f"document_ids must be an integer tensor of shape ({bsz}, {n}), got "
-                f"{document_ids.dtype} {tuple(document_ids.shape)}"
-            )
+        else:
+            _check_documents(document_ids, bsz, n)
         if past or cache_position is not None:
             raise ValueError(
                 "documents packed in a row (document_ids, or position_ids that restart) cannot "
@@ -568,6 +581,14 @@ class DiffTransformerLM(nn.Module):
             )
         if document_ids is not None:
             labels = labels_within_documents(labels, document_ids)
+        # The documents' path reads its ids on the host already; elsewhere only labels that
+        # are all -100 have no target (NaN, as in torch), and checking them would make every
+        # call wait for the device.
+        if n == 1 or (document_ids is not None and not bool((labels[:, 1:] != IGNORE_INDEX).any())):
+            raise ValueError(
+                "no loss target: the mean next-token loss needs a token to predict within the "
+                "same document (rows of one token, or of one-token documents, have none)"
+            )
         return next_token_loss(logits, labels)
 
 

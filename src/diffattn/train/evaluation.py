@@ -12,6 +12,7 @@ from diffattn.model import labels_within_documents
 from diffattn.probe import eval_mode, token_nll
 from diffattn.train import distributed
 from diffattn.train.precision import autocast
+from diffattn.train.targets import target_count
 
 
 # ----------------------------------------------------------------------------------------
@@ -21,7 +22,7 @@ class Evaluation:
     """The result of :func:`evaluate` / :meth:`Trainer.evaluate`."""
 
     loss: float
-    """Mean next-token loss over every rank's validation rows."""
+    """Mean next-token loss over every target of every rank's validation rows."""
     token_losses: torch.Tensor | None = None
     """With ``return_token_losses``: this rank's next-token losses, ``(rows, seq_len - 1)``
     float32 on CPU (row i, column j: −log p(token j+1 | tokens ≤ j))."""
@@ -51,7 +52,10 @@ def evaluate(
     the same number of rows, run in chunks of ``micro_batch_size``), as the trainer measures.
     With ``eos_id`` the windows are masked by document, as ``document_masking`` trains.
 
-    The mean is the model's own ``.loss`` weighted by rows. With ``return_token_losses`` the
+    The mean is over every target of every rank: the model's own ``.loss`` of each chunk
+    weighted by its number of targets (:func:`~diffattn.train.targets.target_count`; with
+    document masking rows hold different numbers), so it does not depend on
+    ``micro_batch_size`` or the number of ranks. With ``return_token_losses`` the
     per-token losses are computed from ``.logits`` of the same forward passes.
 
     Raises:
@@ -66,12 +70,17 @@ def evaluate(
     token_losses = []
     with eval_mode(model):
         for batch in batches:
-            for chunk in batch.to(device).split(micro_batch_size):
+            for chunk in batch.split(micro_batch_size):
+                count = target_count(model_inputs(chunk, eos_id))  # on the host
+                chunk = chunk.to(device)
                 inputs = model_inputs(chunk, eos_id)
+                if not count:  # a mean over no target is undefined, and weighs nothing
+                    del inputs["labels"]
                 with autocast(device, dtype):
                     output = model(chunk, **inputs)
-                totals[0] += output.loss.double() * chunk.shape[0]
-                totals[1] += chunk.shape[0]
+                if count:
+                    totals[0] += output.loss.double() * count
+                    totals[1] += count
                 if return_token_losses:
                     targets = chunk
                     if "document_ids" in inputs:  # no target across a boundary, as the loss
@@ -79,4 +88,6 @@ def evaluate(
                     token_losses.append(token_nll(output.logits, targets).cpu())
     distributed.all_reduce_sum(totals)
     losses = torch.cat(token_losses) if return_token_losses else None
+    if not totals[1]:
+        raise ValueError("the validation windows hold no loss target (only one-token documents)")
     return Evaluation(float(totals[0] / totals[1]), losses)

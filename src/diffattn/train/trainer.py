@@ -9,8 +9,9 @@
 * :meth:`Trainer.train_step`: one optimizer step. Set the learning rate for the step; take
   the rank's share of the global batch (``global_batch_size / world`` sequences of
   ``seq_len`` tokens) and run :meth:`Trainer.forward_backward_step` on it: micro batches of
-  ``micro_batch_size`` with bf16 autocast on CUDA, each micro loss scaled by 1/accumulation,
-  gradients synchronised only on the last one. Then clip the global gradient norm; agree over
+  ``micro_batch_size`` with bf16 autocast on CUDA, each micro loss weighted by its share of
+  the global batch's targets (:mod:`~diffattn.train.targets`), gradients synchronised only on
+  the last one. Then clip the global gradient norm; agree over
   ranks on the mean loss and on stop requests; stop if the loss or the gradient norm is not
   finite (weights untouched); take the AdamW step; call the step callbacks.
 * :meth:`Trainer.evaluate`: the mean validation loss, and per-token losses on request, over
@@ -68,6 +69,7 @@ from diffattn.train.parallel import (
 )
 from diffattn.train.precision import autocast, compute_dtype
 from diffattn.train.saving import CheckpointSaving
+from diffattn.train.targets import target_count, weighted_loss
 
 Callback = Callable[[StepState], None]
 
@@ -248,28 +250,41 @@ class Trainer(TrainerBuilding, CheckpointSaving):
 
     # ------------------------------------------------------------------------------------
     # one step
-    def forward_backward_step(self, batch: torch.Tensor) -> torch.Tensor:
+    def forward_backward_step(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of this rank's rows of one global batch, in micro batches.
 
-        Gradients accumulate (each micro loss scaled by 1/accumulation) and are synchronised
-        over ranks on the last micro batch only. Returns this rank's mean loss (detached).
+        The loss and every gradient are the mean over all next-token targets of the global
+        batch, whatever the micro-batch size, accumulation or number of ranks
+        (:mod:`diffattn.train.targets`: each micro batch's mean weighted by its targets).
+        Gradients accumulate and are synchronised over ranks on the last micro batch only.
+        Returns this rank's weighted loss and the number of targets over all ranks (both
+        detached, 0-dim; their ratio after summing the losses over ranks is the mean).
         """
         config, device = self.config, self.device
-        batch = batch.to(device, non_blocking=True)
+        chunks = batch.split(self.micro)  # counted on the host: no device sync
+        counts = [target_count(self._inputs(chunk)) for chunk in chunks]
+        total = torch.tensor(float(sum(counts)), device=device)
+        distributed.all_reduce_sum(total)
         loss_sum = torch.zeros((), device=device, dtype=torch.float32)
-        for index, chunk in enumerate(batch.split(self.micro)):
+        for index, (chunk, count) in enumerate(zip(chunks, counts, strict=True)):
             last = index == self.accumulation - 1
+            share = total / (self.world * max(count, 1))
+            chunk = chunk.to(device, non_blocking=True)
             with gradient_sync(self.parallel_model, config.parallel, sync=last):
                 with autocast(device, config.dtype), self.probe.capture():
-                    loss = self.parallel_model(chunk, **self._inputs(chunk)).loss
-                (loss / self.accumulation).backward()
+                    output = self.parallel_model(chunk, **self._inputs(chunk, count))
+                loss = weighted_loss(output, count, share)
+                loss.backward()
             loss_sum += loss.detach().float()
-        return loss_sum / self.accumulation
+        return loss_sum, total
 
-    def _inputs(self, chunk: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The model's keyword arguments besides the tokens: the labels, and the documents
-        with ``document_masking``."""
-        return model_inputs(chunk, self.eos_id if self.config.document_masking else None)
+    def _inputs(self, chunk: torch.Tensor, targets: int = 1) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments besides the tokens: the labels (unless the chunk has
+        no ``targets``), and the documents with ``document_masking``."""
+        inputs = model_inputs(chunk, self.eos_id if self.config.document_masking else None)
+        if not targets:
+            del inputs["labels"]
+        return inputs
 
     def train_step(self) -> StepState:
         """One optimizer step (see the module docstring); returns what the callbacks saw.
@@ -284,10 +299,10 @@ class Trainer(TrainerBuilding, CheckpointSaving):
         step = self.step + 1
         t0 = time.perf_counter()
         lr = self.schedule.apply(self.optimizer, step)
-        local_loss = self.forward_backward_step(self._next_batch(step))
+        local_loss, targets = self.forward_backward_step(self._next_batch(step))
         max_norm = config.optim.clip if config.optim.clip else math.inf
         grad_norm = _plain(torch.nn.utils.clip_grad_norm_(self.trainable, max_norm))
-        loss, stop_requested = self._agree(local_loss)
+        loss, stop_requested = self._agree(local_loss, targets, step)
         self._check_finite(step, loss, grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -330,8 +345,16 @@ class Trainer(TrainerBuilding, CheckpointSaving):
             )
         return batch
 
-    def _agree(self, local_loss: torch.Tensor) -> tuple[float, bool]:
-        """The mean loss over ranks, and whether any rank received a stop signal."""
+    def _agree(
+        self, local_loss: torch.Tensor, targets: torch.Tensor, step: int
+    ) -> tuple[float, bool]:
+        """The mean loss over all targets of the global batch (the ranks' weighted losses
+        summed, over ``world``), and whether any rank received a stop signal."""
+        if not float(targets):
+            raise RuntimeError(
+                f"the global batch of step {step} has no loss target: every window is made of "
+                "one-token documents (document_masking) or ignored labels"
+            )
         flag = 1.0 if self._signals.received else 0.0
         agreed = torch.stack([local_loss, torch.tensor(flag, device=self.device)])
         distributed.all_reduce_sum(agreed)
