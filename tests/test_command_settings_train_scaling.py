@@ -43,6 +43,21 @@ def test_resume_takes_a_positive_step(word, capsys):
     assert "expected a checkpoint's step (a positive integer)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("recipe", ["configs/tiny.yaml", "tiny"])
+def test_the_recipe_after_resume_is_one_error_showing_the_order(recipe, capsys):
+    from diffattn.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--resume", recipe, "--out", "runs/x"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == (
+        "diffattn train: error: argument --resume: expected a checkpoint's step (a positive "
+        f"integer), got {recipe!r}; put the recipe first: diffattn train {recipe} [OPTIONS] "
+        "--resume [STEP] (or write --resume=STEP)"
+    )
+
+
 def test_the_defaults_of_every_command_are_those_of_its_settings():
     cases = [
         (TrainSettings, train_command.add_arguments, ["x"], {"config"}),

@@ -45,12 +45,18 @@ def add_set_option(parser: argparse.ArgumentParser, help_text: str) -> None:
 
 
 def _resume_step(text: str) -> int:
-    """``--resume STEP``: a positive step number."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(
-            f"expected a checkpoint's step (a positive integer), got {text!r}"
+    """``--resume STEP``: a positive step number. Anything else after ``--resume`` is most
+    likely the recipe, which argparse hands to ``--resume`` when it follows it: the message
+    shows the order that works."""
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    message = f"expected a checkpoint's step (a positive integer), got {text!r}"
+    if not text.isdigit():
+        message += (
+            f"; put the recipe first: diffattn train {text} [OPTIONS] --resume [STEP] "
+            "(or write --resume=STEP)"
         )
-    return int(text)
+    raise argparse.ArgumentTypeError(message)
 
 
 @dataclass(frozen=True)
