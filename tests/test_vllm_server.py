@@ -194,6 +194,20 @@ def test_a_head_width_vllm_cannot_run_is_one_line_before_any_engine(tmp_path):
     assert "Traceback" not in result.stderr + result.stdout
 
 
+def test_an_option_vllm_does_not_know_is_one_line_before_any_engine(tmp_path):
+    save_checkpoint(tmp_path, "baseline")
+    result = run_serve(
+        str(tmp_path), "--engine", "vllm", "--vllm-args=--max-num-seqs 4 --no-such-option"
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "diffattn serve: error: --vllm-args: vLLM's OpenAI server refuses its options: "
+        "unrecognized arguments: --no-such-option"
+    )
+    output = result.stderr + result.stdout
+    assert "usage:" not in output and "Traceback" not in output, output[-3000:]
+
+
 def test_diffllama_is_refused_with_the_way_out(tmp_path):
     from helpers import tiny_hf
     from serve_helpers import word_tokenizer

@@ -11,12 +11,18 @@ merge, a ``diffattn convert --to hf-llama`` output) run on vLLM's own classes.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from diffattn.serve.options import ServeOptions
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+"""vLLM's OpenAI server, run as ``python -m SERVER_MODULE OPTIONS``."""
 
 VLLM_INSTALL_HINT = (
     "install vLLM beside diffattn: pip install vllm (CUDA GPUs) or, on a CPU, "
@@ -152,10 +158,13 @@ def check_tensor_parallel(config, engine_args: tuple[str, ...]) -> None:
 def vllm_argv(options: ServeOptions, directory: Path | str, dtype: str) -> list[str]:
     """The command line of vLLM's OpenAI server for ``options``, serving ``directory`` in
     ``dtype``."""
+    return [sys.executable, "-m", SERVER_MODULE, *vllm_options(options, directory, dtype)]
+
+
+def vllm_options(options: ServeOptions, directory: Path | str, dtype: str) -> list[str]:
+    """The options :func:`vllm_argv` gives vLLM's OpenAI server: diffattn's settings in vLLM's
+    names, then ``--vllm-args``."""
     argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
         "--model",
         str(directory),
         "--served-model-name",
@@ -174,14 +183,43 @@ def vllm_argv(options: ServeOptions, directory: Path | str, dtype: str) -> list[
     return argv + list(options.engine_args)
 
 
+def vllm_parser() -> argparse.ArgumentParser:
+    """The argument parser of vLLM's OpenAI server, built as its ``api_server`` builds it
+    (``make_arg_parser`` on vLLM's ``FlexibleArgumentParser``)."""
+    from vllm.entrypoints.openai.cli_args import FlexibleArgumentParser, make_arg_parser
+
+    return make_arg_parser(FlexibleArgumentParser(prog=f"python -m {SERVER_MODULE}"))
+
+
+def check_vllm_options(options: Sequence[str], parser: argparse.ArgumentParser) -> None:
+    """Parse vLLM's server ``options`` with vLLM's own ``parser`` before any engine starts:
+    an option it does not know or a value it refuses is one ``ValueError`` with vLLM's
+    message, not its usage text after the server's start-up. ``parser`` reports through its
+    ``error`` method, which is replaced to raise instead of printing and exiting."""
+
+    def refuse(message: str) -> NoReturn:
+        raise ValueError(
+            "--vllm-args: vLLM's OpenAI server refuses its options: " + " ".join(message.split())
+        )
+
+    parser.error = refuse
+    try:
+        parser.parse_args(list(options))
+    except OSError as error:  # vLLM's --config FILE that cannot be read
+        refuse(str(error))
+
+
 def serve_with_vllm(options: ServeOptions) -> int:
-    """Check the model, then become vLLM's server (this function returns only on error)."""
+    """Check the model and vLLM's options, then become vLLM's server (this function returns
+    only on error)."""
     require_vllm()
     quiet = "VLLM_LOGGING_LEVEL" not in os.environ  # the check imports vLLM: no start-up logs
     if quiet:
         os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
     try:
         directory, kind = check_servable(options)
+        dtype = vllm_dtype(options, directory, kind)
+        check_vllm_options(vllm_options(options, directory, dtype), vllm_parser())
     finally:
         if quiet:
             del os.environ["VLLM_LOGGING_LEVEL"]
@@ -191,7 +229,7 @@ def serve_with_vllm(options: ServeOptions) -> int:
             "with no authentication",
             file=sys.stderr,
         )
-    argv = vllm_argv(options, directory, vllm_dtype(options, directory, kind))
+    argv = vllm_argv(options, directory, dtype)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], argv)
