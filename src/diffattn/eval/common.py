@@ -52,6 +52,9 @@ class EvalModel:
         kind: ``diffattn``, ``hf``, ``gguf`` or ``dex``.
         attention: ``baseline``, ``diff_v1``, ``diff_v2`` for diffattn models, else the
             Hugging Face ``model_type`` (with ``+dex`` when Dex is applied).
+        document_eos: the EOS id after which a new document begins in a window, for a model
+            whose run trained with ``document_masking`` (its recipe says so); ``None``: the
+            windows attend across documents, as the model trained.
     """
 
     name: str
@@ -61,6 +64,18 @@ class EvalModel:
     kind: str
     attention: str
     extra: dict[str, Any] = field(default_factory=dict)
+    document_eos: int | None = None
+
+    def window_inputs(self, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The forward arguments of right-padded windows ``ids``: the tokens and the padding
+        mask, and the documents (split after each EOS) for a model trained with
+        ``document_masking``, so a window attends as the model trained."""
+        inputs = {"input_ids": ids, "attention_mask": mask}
+        if self.document_eos is not None:
+            from diffattn.data import documents_after_eos
+
+            inputs["document_ids"] = documents_after_eos(ids, self.document_eos)
+        return inputs
 
     @property
     def device(self) -> torch.device:
@@ -147,9 +162,27 @@ def load_models(
                 wrapped,
                 source.kind,
                 _attention_of(model, source.kind),
+                document_eos=_document_eos(spec, wrapped),
             )
         )
     return models
+
+
+def _document_eos(spec: str, tokenizer: TextTokenizer | None) -> int | None:
+    """The EOS id that ends documents in ``spec``'s windows when its run trained with
+    ``document_masking`` (:mod:`diffattn.eval.run_split`), else ``None``."""
+    from diffattn.eval.run_split import recipe_of, run_split
+
+    recipe = recipe_of(spec)
+    if recipe is None or not run_split(recipe).document_masking:
+        return None
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    if eos is None:
+        raise ValueError(
+            f"{spec} trained with document_masking, but no tokenizer with an EOS token is "
+            "stored with it: its documents cannot be told apart"
+        )
+    return int(eos)
 
 
 def resolve_device(device: str) -> str:

@@ -349,7 +349,7 @@ def _streamed(model: EvalModel, groups, quiet: bool) -> dict[str, Any]:
     moments = _OutputMoments()
     with Probe(model.model, [*entropies.values(), stats, outputs]):
         for ids, mask in progress(groups, len(groups), f"heads {model.name}", quiet):
-            model.model(input_ids=ids, attention_mask=mask)
+            model.model(**model.window_inputs(ids, mask))
             moments.add(outputs, mask.cpu())
     return {
         "entropy": {m: e.result() for m, e in entropies.items()},

@@ -169,7 +169,7 @@ def model_spectrum(
         for _, ids, mask in padded_batches(model, pieces, batch_size, label, quiet):
 
             def loss_fn(ids=ids, mask=mask):
-                logits = model.model(input_ids=ids, attention_mask=mask).logits
+                logits = model.model(**model.window_inputs(ids, mask)).logits
                 nll = token_nll(logits, ids, mask)
                 return nll[~torch.isnan(nll)].mean()
 

@@ -114,7 +114,7 @@ def outlier_stats(
     label = f"outliers {model.name}"
     with Probe(model.model, [logit_stats, hidden_stats]):
         for _, ids, mask in padded_batches(model, pieces, batch_size, label, quiet):
-            model.model(input_ids=ids, attention_mask=mask)
+            model.model(**model.window_inputs(ids, mask))
     logits, hidden = logit_stats.result(), hidden_stats.result()
     return {
         "logits": logits["all"],

@@ -36,6 +36,9 @@ class RunSplit:
     reading: tuple[tuple[str, Any], ...] = ()
     """How the trainer cut the sources into documents: ``text_field``, ``split`` (file,
     paragraph or line) and ``max_bytes`` of :func:`diffattn.data.iter_documents`."""
+    document_masking: bool = False
+    """Whether the run attended only within the documents of a window (split after every
+    EOS, ``TrainConfig.document_masking``); its windows are then evaluated so too."""
 
     def value(self, key: str) -> Any:
         return list(self.data) if key == "data" else getattr(self, key)
@@ -75,6 +78,7 @@ def run_split(recipe: Path) -> RunSplit:
         valid_fraction=float(data["valid_fraction"]),
         data_seed=int(data["seed"]),
         seq_len=int(loaded.get("seq_len", train_defaults["seq_len"])),
+        document_masking=bool(loaded.get("document_masking", train_defaults["document_masking"])),
         reading=(
             ("text_field", data["text_field"]),
             ("split", data["document_split"]),
@@ -113,6 +117,7 @@ def resolve(args: Any, defaults: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "value": ", ".join(f"{k}={v}" for k, v in args.document_reading.items()),
             "from": f"the run's recipe ({next(iter(splits.values())).recipe})",
         }
+    provenance["document_masking"] = _masking(specs, splits)
     for key in (*SPLIT_KEYS, "seq_len"):
         given = getattr(args, key)
         run_values = {spec: split.value(key) for spec, split in splits.items()}
@@ -147,6 +152,25 @@ def resolve(args: Any, defaults: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 why = "the evaluation's default (the runs differ; --split all)"
             provenance[key] = {"value": defaults[key], "from": why}
     return provenance
+
+
+def _masking(specs: list[str], splits: dict[str, RunSplit]) -> dict[str, Any]:
+    """Where each model's windows are masked by document: as its run trained
+    (``document_masking``: within each document, split after every EOS), else not at all."""
+    values = {
+        spec: ("within documents" if splits[spec].document_masking else "across documents")
+        if spec in splits
+        else "across documents"
+        for spec in specs
+    }
+    sources = {
+        f"the run's recipe ({splits[spec].recipe})" if spec in splits else "no training recipe"
+        for spec in specs
+    }
+    if len(set(values.values())) == 1:
+        return {"value": next(iter(values.values())), "from": "; ".join(sorted(sources))}
+    listed = "; ".join(f"{spec}: {value}" for spec, value in values.items())
+    return {"value": listed, "from": "each model's run recipe (document_masking)"}
 
 
 def _key(value: Any) -> Any:

@@ -169,7 +169,7 @@ def window_nll(
 
     out: list[torch.Tensor] = []
     for group, ids, mask in padded_batches(model, pieces, batch_size, f"loss {model.name}", quiet):
-        logits = model.model(input_ids=ids, attention_mask=mask).logits
+        logits = model.model(**model.window_inputs(ids, mask)).logits
         nll = token_nll(logits, ids, mask).cpu()
         out.extend(nll[row, : len(piece) - 1] for row, piece in enumerate(group))
     return out
