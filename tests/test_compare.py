@@ -271,3 +271,31 @@ def test_claims_loss_windows_are_the_trainers_validation_windows(tmp_path):
     assert held_out.windows[-1] != [
         int(t) for t in valid.read((batches * batch - 1) * seq_len, seq_len)
     ]
+
+
+def test_parallel_runs_are_reported_as_each_one_finishes(tmp_path):
+    """The language-modelling part prints a line per finished run, not one burst at the end."""
+    import time
+
+    from compare_timed_runs import sleeping_run
+    from diffattn.compare import _Job, _run_parallel
+
+    work = [
+        _Job("baseline", 0, None, tmp_path / "a", False, 1, None, None),
+        _Job("diff_v1", 6, None, tmp_path / "b", False, 1, None, None),
+        _Job("diff_v2", 0, None, tmp_path / "c", False, 1, None, None),
+    ]
+    lines = []
+    started = time.perf_counter()
+    done = _run_parallel(
+        work,
+        2,
+        1,
+        lambda line: lines.append((time.perf_counter() - started, line)),
+        run=sleeping_run,
+    )
+    assert sorted(done) == [0, 1, 2]
+    finished = [(at, line) for at, line in lines if line.startswith("[")]
+    assert [line.split("]")[0] for _, line in finished] == ["[1/3", "[2/3", "[3/3"]
+    assert "diff_v1" in finished[-1][1]  # the long run finishes last ...
+    assert finished[-1][0] - finished[0][0] >= 3  # ... seconds after the first was reported

@@ -422,12 +422,17 @@ def _language_modelling(
 
 
 def _run_parallel(
-    work: list[_Job], jobs: int, threads: int | None, say: Any, devices: list[str] | None = None
+    work: list[_Job],
+    jobs: int,
+    threads: int | None,
+    say: Any,
+    devices: list[str] | None = None,
+    run: Any = _train_and_measure,
 ) -> dict:
-    """Run the jobs in ``jobs`` worker processes, reporting each as it finishes; with
-    ``devices`` (one per worker) each worker holds its own for its life
-    (:func:`diffattn.compare.devices.worker_pool`)."""
-    from concurrent.futures import FIRST_EXCEPTION, wait
+    """Run the jobs in ``jobs`` worker processes (each through ``run``, a module-level
+    function), reporting each as it finishes; with ``devices`` (one per worker) each worker
+    holds its own for its life (:func:`diffattn.compare.devices.worker_pool`)."""
+    from concurrent.futures import FIRST_COMPLETED, wait
 
     from diffattn.compare.devices import worker_pool
 
@@ -438,11 +443,12 @@ def _run_parallel(
     )
     done: dict[int, tuple[int, dict[str, Any], float, str]] = {}
     with worker_pool(jobs, devices) as pool:
-        futures = {pool.submit(_train_and_measure, job): i for i, job in enumerate(work)}
+        futures = {pool.submit(run, job): i for i, job in enumerate(work)}
         pending = set(futures)
         try:
             while pending:
-                finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                # each run is reported as it finishes (FIRST_EXCEPTION would wait for all)
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                 for future in finished:
                     index = futures[future]
                     done[index] = future.result()  # re-raises a worker's error here
