@@ -159,6 +159,24 @@ def test_a_training_run_stands_for_its_newest_checkpoint(checkpoint, tmp_path, c
     assert capsys.readouterr().out.startswith("alpha beta")
 
 
+def test_the_python_loader_takes_a_run_as_model_does(checkpoint):
+    """``diffattn.load_model`` reads ``RUN`` and ``RUN@STEP`` as the command line does."""
+    import torch
+
+    import diffattn
+    from diffattn.checkpoint import load_model as load_directory
+
+    model, _ = checkpoint
+    run = model.parent.parent
+    expected = load_directory(model).state_dict()
+    for spec in (run, str(run), f"{run}@2"):
+        loaded = diffattn.load_model(spec).state_dict()
+        assert loaded.keys() == expected.keys()
+        assert all(torch.equal(loaded[name], expected[name]) for name in expected)
+    with pytest.raises(ValueError, match=r"has no complete checkpoint of step 7 \(its steps: 2\)"):
+        diffattn.load_model(f"{run}@7")
+
+
 def test_a_run_without_checkpoints_is_one_clear_error(tmp_path):
     from diffattn.loading import training_run_checkpoint
 

@@ -3,6 +3,7 @@
 from diffattn import presets
 from diffattn.config import ModelConfig, lambda_init_schedule
 from diffattn.hf.autoregister import install as _install_hf_registration
+from diffattn.loading import load_model
 from diffattn.model import CausalLMOutput, DiffTransformerLM, count_parameters
 from diffattn.version import __version__
 
@@ -15,5 +16,6 @@ __all__ = [
     "__version__",
     "count_parameters",
     "lambda_init_schedule",
+    "load_model",
     "presets",
 ]
