@@ -12,9 +12,11 @@ run after saving a checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +27,27 @@ DESCRIPTION = (
     "Train a baseline, DIFF V1 or DIFF V2 language model from a YAML recipe; runs in one "
     "process or under torchrun (DDP or FSDP2), checkpoints atomically and resumes exactly."
 )
+
+QUIET_WARNINGS = (
+    r"DTensor random operators may not have complete support",
+    r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
+    r"(save|load) in a single process",
+)
+"""The messages (regular expressions, matched at their start) of torch's warnings that
+``--quiet`` leaves out: FSDP2's when shards that are then overwritten (a resumed run's, or
+``fsdp_init: rank0``'s) are first drawn on a CPU mesh, and DCP's when one process saves or
+loads sharded checkpoints, as it is told to."""
+
+
+@contextlib.contextmanager
+def quiet_warnings(quiet: bool) -> Iterator[None]:
+    """Within the block, with ``quiet``, the warnings of :data:`QUIET_WARNINGS` are ignored;
+    every other warning, and everything without ``quiet``, is shown as before."""
+    with warnings.catch_warnings():
+        if quiet:
+            for message in QUIET_WARNINGS:
+                warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        yield
 
 
 def recipe_overrides(help_text: str) -> Any:
@@ -151,14 +174,15 @@ def run_settings(settings: TrainSettings) -> int:
         config = load_config(recipe, overrides, notes)
         for note in notes if _is_main() else ():
             print(f"diffattn train: note: {note}", file=sys.stderr, flush=True)
-        result = train(
-            config,
-            out,
-            resume=resume,
-            progress=not settings.quiet,
-            overwrite=settings.overwrite,
-            resume_fallback=settings.resume_fallback,
-        )
+        with quiet_warnings(settings.quiet):
+            result = train(
+                config,
+                out,
+                resume=resume,
+                progress=not settings.quiet,
+                overwrite=settings.overwrite,
+                resume_fallback=settings.resume_fallback,
+            )
         finished = True
     except ConfigError as exc:
         error(str(exc))
