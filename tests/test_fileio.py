@@ -117,3 +117,83 @@ def test_copy_tokenizer_files_copies_only_tokenizer_files(tmp_path):
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(
         TOKENIZER_FILES
     )
+
+
+# ----------------------------------------------------------------------------------------
+# permissions
+@pytest.fixture(params=[0o022, 0o027])
+def umask(request):
+    """The umask the test writes under (restored afterwards)."""
+    import os
+
+    previous = os.umask(request.param)
+    yield request.param
+    os.umask(previous)
+
+
+def _modes(directory) -> dict[str, int]:
+    import stat
+
+    return {
+        str(p.relative_to(directory)): stat.S_IMODE(p.stat().st_mode)
+        for p in [directory, *directory.rglob("*")]
+    }
+
+
+def _usual(directory, umask: int) -> dict[str, int]:
+    return {
+        str(p.relative_to(directory)): (0o777 if p.is_dir() else 0o666) & ~umask
+        for p in [directory, *directory.rglob("*")]
+    }
+
+
+def test_an_atomic_directory_holds_no_private_files(tmp_path, umask):
+    """Writers that make files private (mkstemp, safetensors' save_file) are given the usual
+    permissions on commit."""
+    import os
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    with atomic_directory(tmp_path / "out") as tmp:
+        save_file({"x": torch.zeros(2)}, str(tmp / "model.safetensors"))
+        os.close(tempfile.mkstemp(dir=tmp)[0])
+        (tmp / "config.json").write_text("{}", encoding="utf-8")
+        tempfile.mkdtemp(dir=tmp)
+    out = tmp_path / "out"
+    assert _modes(out) == _usual(out, umask)
+
+
+def test_model_directories_and_training_checkpoints_are_not_private(tmp_path, umask):
+    import torch
+
+    from diffattn.checkpoint import save_model
+    from diffattn.train.checkpoint import save_checkpoint
+    from helpers import tiny_diffattn
+
+    model = tiny_diffattn("diff_v1")
+    saved = save_model(model, tmp_path / "model")
+    assert _modes(saved) == _usual(saved, umask)
+    step = save_checkpoint(
+        tmp_path / "run" / "checkpoints", 1, model.config, model.state_dict(), {"step": 1}, ""
+    )
+    assert _modes(step) == _usual(step, umask)
+    assert (step / "model.safetensors").is_file() and torch.load(
+        step / "trainer_state.pt", weights_only=True
+    )
+
+
+def test_token_shards_and_dex_adapters_are_not_private(tmp_path, umask):
+    from diffattn import dex
+    from diffattn.data.shards import ShardWriter
+    from helpers import tiny_diffattn
+
+    writer = ShardWriter(tmp_path / "shards", vocab_size=10, eos_id=0, tokenizer_name="t")
+    writer.add([1, 2, 3])
+    writer.close()
+    assert _modes(tmp_path / "shards") == _usual(tmp_path / "shards", umask)
+    model = tiny_diffattn("baseline")
+    dex.apply(model, "all", anneal_steps=0)
+    adapter = dex.save_adapter(model, tmp_path / "adapter")
+    assert _modes(adapter) == _usual(adapter, umask)

@@ -7,7 +7,9 @@ temporary entries are named ``.<name>.tmp-<random>`` (the previous directory, wh
 being replaced, ``.<name>.tmp-old-<random>``), so one rule recognises every partial write,
 including one nested inside another's temporary directory (``..<name>.tmp-<a>.tmp-<b>``):
 :func:`is_partial_write`. :func:`remove_partial_writes` clears what a crash (even
-``kill -9``) left behind.
+``kill -9``) left behind. What such a directory holds gets the permissions ``open`` and
+``mkdir`` give under the umask, also where a writer made a file private
+(:func:`give_usual_permissions`).
 
 This module depends on the standard library only, so every layer can use it.
 """
@@ -18,6 +20,7 @@ import contextlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,6 +100,38 @@ def copy_tokenizer_files(
 
 
 # ----------------------------------------------------------------------------------------
+# permissions
+def current_umask() -> int:
+    """This process's umask: read from ``/proc/self/status`` where the platform has it, else
+    by setting a restrictive one for an instant and restoring it."""
+    with contextlib.suppress(OSError, ValueError):
+        status = Path("/proc/self/status").read_text(encoding="utf-8", errors="replace")
+        for line in status.splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return umask
+
+
+def give_usual_permissions(path: str | os.PathLike, mode: int | None = None) -> None:
+    """Give ``path`` the permissions ``open`` or ``mkdir`` would have given it: ``mode``,
+    by default ``0o666`` less the umask for a file and ``0o777`` less it for a directory.
+
+    Some writers create files readable by their owner only (``tempfile.mkstemp``, and
+    safetensors' ``save_file``, which writes through such a file); the permissions are only
+    widened to ``mode``, never narrowed. An entry this user does not own (a shard another
+    user's process wrote) is left as it is.
+    """
+    current = os.stat(path).st_mode
+    if mode is None:
+        mode = (0o777 if stat.S_ISDIR(current) else 0o666) & ~current_umask()
+    if stat.S_IMODE(current) & mode != mode:
+        with contextlib.suppress(PermissionError):
+            os.chmod(path, stat.S_IMODE(current) | mode)
+
+
+# ----------------------------------------------------------------------------------------
 # atomic directories
 def is_partial_write(name: str) -> bool:
     """True for the name of a temporary entry left by :func:`atomic_directory`."""
@@ -108,8 +143,16 @@ def _temp_prefix(final: Path) -> str:
 
 
 def _fsync_tree(directory: Path) -> None:
+    """Give every entry of ``directory`` the usual permissions (:func:`give_usual_permissions`)
+    and flush its files to disk."""
+    umask = current_umask()
     for path in sorted(directory.rglob("*")):
-        if path.is_file() and not path.is_symlink():
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            give_usual_permissions(path, 0o777 & ~umask)
+        elif path.is_file():
+            give_usual_permissions(path, 0o666 & ~umask)
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
     fsync_directory(directory)
@@ -235,9 +278,7 @@ def temporary_sibling(out: str | os.PathLike) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out), dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; give the usual directory permissions
+    give_usual_permissions(tmp)  # mkdtemp makes 0700
     return tmp
 
 

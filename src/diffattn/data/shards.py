@@ -40,7 +40,7 @@ from typing import Any, Literal
 import numpy as np
 
 from diffattn.data.tokenizers import Tokenizer, encode_batch
-from diffattn.fileio import CheckpointError, read_json
+from diffattn.fileio import CheckpointError, give_usual_permissions, read_json
 
 MAGIC = b"DIFFTOKS"
 FORMAT_VERSION = 1
@@ -172,6 +172,7 @@ class ShardWriter:
     # -- internals ------------------------------------------------------------------------
     def _start_shard(self) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f".{self.prefix}.", suffix=".tmp", dir=self.directory)
+        give_usual_permissions(tmp)  # mkstemp makes 0600
         self._handle = os.fdopen(fd, "wb")
         self._tmp_path = Path(tmp)
         self._handle.write(b"\0" * HEADER_BYTES)

@@ -36,7 +36,7 @@ from diffattn.dex.adapter import (
 from diffattn.dex.adapter import freeze as freeze_model
 from diffattn.dex.schedule import set_step
 from diffattn.dex.sites import find_attention
-from diffattn.fileio import CheckpointError, read_json, write_json
+from diffattn.fileio import CheckpointError, give_usual_permissions, read_json, write_json
 
 WEIGHTS_NAME = "dex_adapter.safetensors"
 CONFIG_NAME = "dex_config.json"
@@ -100,6 +100,7 @@ def save_adapter(
         "trained_weights": trained,
     }
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": FORMAT})
+    give_usual_permissions(directory / WEIGHTS_NAME)  # save_file makes 0600
     write_json(directory / CONFIG_NAME, config)
     return directory
 
