@@ -199,3 +199,55 @@ def local_arc_task(work: Path) -> None:
         'doc_to_choice: "{{choices.text}}"\n'
         "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
     )
+
+
+def sharded_checkpoint_claims(work: Path) -> None:
+    """What docs/training.md says of the sharded checkpoints of its FSDP2 example
+    (``runs/tiny-fsdp``, two processes) and of ``diffattn convert``'s output
+    (``runs/tiny-fsdp-model``): the checkpoint holds ``config.json``, ``trainer_state.pt``
+    without the optimizer state, ``train_config.yaml``, the tokenizer and ``sharded/`` with
+    ``.metadata`` and one ``.distcp`` per rank, and no safetensors; ``load_model`` refuses it
+    naming ``diffattn convert``; the converted directory loads, with the shards' weights."""
+    import torch
+
+    from diffattn.checkpoint import CheckpointError, load_model
+    from diffattn.model import DiffTransformerLM
+    from diffattn.train.checkpoint import load_trainer_state
+    from diffattn.train.sharded import load_sharded
+
+    checkpoint = (work / "runs/tiny-fsdp/checkpoints/final").resolve()
+    names = {p.name for p in checkpoint.iterdir()}
+    held = {"config.json", "trainer_state.pt", "train_config.yaml", "tokenizer.json", "sharded"}
+    assert held <= names, sorted(names)
+    assert not [n for n in names if n.endswith(".safetensors")], sorted(names)
+    shards = sorted(p.name for p in (checkpoint / "sharded").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], shards
+    assert "optimizer" not in load_trainer_state(checkpoint)  # it is in the shards
+    try:
+        load_model(checkpoint)
+    except CheckpointError as error:
+        assert f"diffattn convert {checkpoint}" in str(error), error
+    else:
+        raise AssertionError(f"load_model read the sharded checkpoint {checkpoint}")
+    model = load_model(work / "runs/tiny-fsdp-model")
+    shards_read = DiffTransformerLM(model.config)
+    load_sharded(checkpoint, shards_read, None)
+    for name, value in shards_read.state_dict().items():
+        assert torch.equal(value, model.state_dict()[name]), name
+
+
+def tensor_parallel_checkpoint_claims(work: Path) -> None:
+    """What docs/training.md says of its tensor-parallel examples' checkpoints: under TP alone
+    (``runs/tiny-tp``) a full model directory that ``load_model`` reads, the optimizer state in
+    ``trainer_state.pt``; under FSDP2 × TP (``runs/tiny-2d``, four processes) sharded, one
+    shard file per rank and no safetensors."""
+    from diffattn.checkpoint import load_model
+    from diffattn.train.checkpoint import load_trainer_state
+
+    tp = work / "runs/tiny-tp/checkpoints/final"
+    load_model(tp)
+    assert "optimizer" in load_trainer_state(tp)
+    two_d = (work / "runs/tiny-2d/checkpoints/final").resolve()
+    shards = sorted(p.name for p in (two_d / "sharded").glob("*.distcp"))
+    assert shards == [f"__{rank}_0.distcp" for rank in range(4)], shards
+    assert not list(two_d.glob("*.safetensors"))

@@ -5,6 +5,8 @@ line, so that a change which breaks a documented flow fails here (slow: ``-m slo
 small: text replaced (``replace``, each of which must still occur in the block), flags appended
 to the commands that match a pattern (``append``), inputs that the document describes in words
 and the block assumes (``setup``, ``prelude``, ``uses``), or why it cannot run here (``skip``).
+What the text around a block says of its outputs (what a directory holds, what loads it) is
+asserted after the block has run (``check``).
 A usage synopsis (``synopsis``) is checked against the command's ``--help``: every option it
 names must exist. A block that no entry covers fails, as does an entry that covers no block: a
 new documented flow comes with its way of being tested.
@@ -88,6 +90,9 @@ class Flow:
     passes, remove the mark."""
     expect: tuple[str, ...] = ()
     """Files the block must leave (relative to the working directory)."""
+    check: Callable[[Path], None] | None = None
+    """Called with the working directory after the block: asserts the document's claims about
+    what the block leaves (a directory's files, which loader reads it)."""
     timeout: int = 600
 
 
@@ -518,7 +523,16 @@ FLOWS: tuple[Flow, ...] = (
     ),
     Flow(
         "docs/training.md",
-        "torchrun --standalone --nproc-per-node 2 -m diffattn.train configs/tiny.yaml",
+        "torchrun --standalone --nproc-per-node 2 -m diffattn.train configs/tiny.yaml "
+        "--out runs/tiny-fsdp",
+        append=(TRAIN_TINY,),
+        expect=("runs/tiny-fsdp-model/model.safetensors",),
+        check=fx.sharded_checkpoint_claims,
+    ),
+    Flow(
+        "docs/training.md",
+        # (its first line ends with the continuation; the sharded example's goes on)
+        "torchrun --standalone --nproc-per-node 2 -m diffattn.train configs/tiny.yaml \\",
         # the third run needs 8 nodes of 8 GPUs
         replace=(
             (
@@ -530,6 +544,7 @@ FLOWS: tuple[Flow, ...] = (
             ),
         ),
         append=(TRAIN_TINY,),
+        check=fx.tensor_parallel_checkpoint_claims,
     ),
     Flow(
         "docs/training.md",
@@ -791,6 +806,12 @@ class DocRun:
         absent = [p for p in flow.expect if not (self.work / p).exists()]
         if absent:
             return Outcome("fail", f"{block} left no {', '.join(absent)}")
+        if flow.check is not None:
+            try:
+                flow.check(self.work)
+            except Exception as error:  # a claim that does not hold, or a loader that fails
+                claim = f"{type(error).__name__}: {error}"
+                return Outcome("fail", f"{block}: what the document says does not hold: {claim}")
         return Outcome("ok")
 
 

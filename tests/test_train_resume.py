@@ -153,7 +153,8 @@ def test_gradient_accumulation_and_activation_checkpointing_do_not_change_the_lo
 def test_latest_and_final_entries_follow_the_run(tmp_path, data_cache):
     """``checkpoints/latest`` links the newest checkpoint, ``checkpoints/final`` the one of the
     last step; a run directory as MODEL is its final checkpoint; a resume that goes further
-    drops ``final`` until it reaches its new last step."""
+    keeps ``final`` until it writes a newer checkpoint, which moves it: away before the new
+    last step, to the new last step's checkpoint there."""
     from diffattn.loading import training_run_checkpoint
     from diffattn.train.checkpoint import FINAL_ENTRY, LATEST_ENTRY, read_entry
 
@@ -173,11 +174,38 @@ def test_latest_and_final_entries_follow_the_run(tmp_path, data_cache):
 
     config = load_config(recipe, ["steps=6"])
     trainer = Trainer(config, out, resume=True, progress=False).build()
-    assert read_entry(root, FINAL_ENTRY) is None  # not final any more
+    assert read_entry(root, FINAL_ENTRY) == step4  # nothing newer is written yet
     assert read_entry(root, LATEST_ENTRY) == step4
+    trainer.train_step()
+    trainer.save()  # step 5, before the new last step: the run went past step 4
+    assert read_entry(root, FINAL_ENTRY) is None and not (root / FINAL_ENTRY).is_symlink()
+    assert read_entry(root, LATEST_ENTRY) == root / "step-00000005"
+    assert training_run_checkpoint(out) == root / "step-00000005"
     trainer.close()
     assert _cli(str(recipe), "--steps", "6", "--out", str(out), "--resume", "--quiet") == 0
     assert read_entry(root, FINAL_ENTRY) == read_entry(root, LATEST_ENTRY) == root / "step-00000006"
+
+
+def test_a_resume_that_fails_before_saving_keeps_the_final_entry(tmp_path, data_cache, capsys):
+    """A resume that stops on a non-finite loss before its first save leaves ``final`` (and
+    ``latest``) on the finished run's last checkpoint, which the run directory still names."""
+    from diffattn.loading import training_run_checkpoint
+    from diffattn.train.checkpoint import FINAL_ENTRY, LATEST_ENTRY, read_entry
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_recipe(data_cache, checkpoint_every=4))
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    assert _cli(str(recipe), "--steps", "4", "--out", str(out)) == 0
+    step4 = root / "step-00000004"
+    assert read_entry(root, FINAL_ENTRY) == step4
+    capsys.readouterr()
+    # a learning rate of 1e30 makes the weights overflow: the loss of step 6 is not finite
+    resumed = [str(recipe), "--steps", "8", "--out", str(out), "--resume"]
+    assert _cli(*resumed, "--set", "optim.lr=1e30") == 1
+    assert "non-finite loss" in capsys.readouterr().err
+    assert [s for s, _ in list_checkpoints(root)] == [4]  # nothing was written
+    assert read_entry(root, FINAL_ENTRY) == read_entry(root, LATEST_ENTRY) == step4
+    assert training_run_checkpoint(out) == step4
 
 
 def test_resume_from_a_named_step_sets_the_newer_checkpoints_aside(tmp_path, data_cache):

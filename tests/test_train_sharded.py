@@ -31,7 +31,14 @@ from diffattn.train import TrainConfig, load_config, train
 from diffattn.train.checkpoint import load_trainer_state
 from diffattn.train.sharded import SHARDED_DIRNAME, consolidate, is_sharded
 from helpers import ATTENTIONS, TINY_VOCAB, tiny_config
-from train_helpers import fault_env, launch_with_faults, tiny_recipe, torchrun, write_recipe
+from train_helpers import (
+    fault_env,
+    fsdp_recipe,
+    launch_with_faults,
+    tiny_recipe,
+    torchrun,
+    write_recipe,
+)
 
 pytestmark = [pytestmark, pytest.mark.usefixtures("one_thread")]
 
@@ -54,10 +61,7 @@ def _run(recipe: Path, out: Path, *args: str, nproc: int = 2) -> str:
 def fsdp_runs(tmp_path_factory, data_cache):
     """An uninterrupted 2-process FSDP2 run of 4 steps, and one stopped at step 2."""
     root = tmp_path_factory.mktemp("sharded")
-    recipe = tiny_recipe(
-        data_cache, steps=4, checkpoint_every=2, keep_last=None, parallel="fsdp",
-        micro_batch_size=2,
-    )  # fmt: skip
+    recipe = fsdp_recipe(data_cache)
     path = write_recipe(root / "fsdp.yaml", recipe)
     _run(path, root / "whole")
     _run(path, root / "half", "--steps", "2")

@@ -60,6 +60,14 @@ def tiny_recipe(cache_dir: str | os.PathLike, **changes: Any) -> dict[str, Any]:
     return recipe
 
 
+def fsdp_recipe(cache_dir: str | os.PathLike) -> dict[str, Any]:
+    """The tiny recipe as a 2-process FSDP2 run of 4 steps (sharded checkpoints by default),
+    a checkpoint every 2 steps, all kept."""
+    return tiny_recipe(
+        cache_dir, steps=4, checkpoint_every=2, keep_last=None, parallel="fsdp", micro_batch_size=2
+    )
+
+
 def short_documents_recipe(tmp_path, data_cache, **changes):
     """The tiny recipe on 3,000 documents of 5 to 30 words (``tmp_path/docs.jsonl``): most
     32-token windows cross a document boundary."""

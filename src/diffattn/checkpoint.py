@@ -10,6 +10,12 @@ A diffattn model directory is exactly what ``DiffAttnForCausalLM.save_pretrained
   :class:`~diffattn.model.DiffTransformerLM` state dict with every key prefixed ``model.``
   (the HF wrapper holds the LM as ``self.model``); a tied LM head is not stored.
 
+A sharded training checkpoint (:mod:`diffattn.train.sharded`) holds ``config.json`` and, in
+place of safetensors, ``sharded/``: ``torch.distributed.checkpoint``'s ``.metadata`` and the
+``.distcp`` files it names. :func:`check_sharded_files` checks that those files are all there
+and long enough without reading a tensor; loading one directly is refused with the command
+that consolidates it.
+
 Loading is strict and safe: weights come only from safetensors (a pickle ``.bin`` is refused),
 shard names of an index must stay inside the directory, missing / unexpected / mis-shaped
 tensors and tensors of the wrong dtype kind are named in one error, so is the first tensor
@@ -19,8 +25,12 @@ holding NaN or infinite values, and a foreign ``model_type`` is rejected with a 
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import os
+import pathlib
+import pickle
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +48,8 @@ WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 KEY_PREFIX = "model."
+SHARDED_DIRNAME = "sharded"
+SHARD_METADATA_NAME = ".metadata"
 
 # Keys HF's PretrainedConfig adds to config.json; they are not ModelConfig fields.
 _HF_CONFIG_KEYS = frozenset(
@@ -116,7 +128,8 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
 def weight_files(directory: str | os.PathLike) -> list[Path]:
     """The safetensors files of a model directory, refusing pickle checkpoints."""
     directory = Path(directory)
-    if (directory / "sharded").is_dir() and not any(directory.glob("*.safetensors")):
+    if (directory / SHARDED_DIRNAME).is_dir() and not any(directory.glob("*.safetensors")):
+        check_sharded_files(directory)  # a damaged one: the error names the file
         raise CheckpointError(
             f"{directory}: a sharded training checkpoint (DCP shards, no safetensors); write "
             f"a model directory from it first: diffattn convert {directory} OUT"
@@ -201,6 +214,90 @@ def check_safetensors_files(files: list[Path]) -> None:
             raise CheckpointError(
                 f"{file}: truncated or padded safetensors file ({size} bytes, the header "
                 f"describes {expected})"
+            )
+
+
+class _ShardMetadataUnpickler(pickle.Unpickler):
+    """Reads DCP's ``.metadata`` pickle, which consists of DCP's own records (dataclasses and
+    enums of ``torch.distributed.checkpoint``), ``torch.Size``, dtypes, layouts and paths;
+    any other object it would build is refused, so reading it runs no foreign code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = module.startswith("torch.distributed.checkpoint.") or module in (
+            "torch",
+            "torch.serialization",
+            "pathlib",
+        )
+        found = super().find_class(module, name) if allowed else None
+        if module.startswith("torch.distributed.checkpoint."):
+            plain = isinstance(found, type) and (
+                dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)
+            )
+        elif module == "torch":
+            plain = found is torch.Size or isinstance(found, (torch.dtype, torch.layout))
+        elif module == "torch.serialization":
+            plain = name == "_get_layout"
+        else:
+            plain = isinstance(found, type) and issubclass(found, pathlib.PurePath)
+        if not plain:
+            raise pickle.UnpicklingError(f"it refers to {module}.{name}, which DCP never writes")
+        return found
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception's message on one line (its type name when it has none)."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def read_shard_metadata(file: str | os.PathLike) -> dict[str, int]:
+    """The shard files a DCP ``.metadata`` file names, each with the length it must have
+    at least (the largest offset + length of the items it stores).
+
+    Raises:
+        CheckpointError: ``file`` is missing, unreadable or not DCP metadata (named).
+    """
+    file = Path(file)
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing; the shards beside it cannot be read without it")
+    try:
+        with open(file, "rb") as handle:
+            metadata = _ShardMetadataUnpickler(handle).load()
+        ends: dict[str, int] = {}
+        for item in metadata.storage_data.values():
+            name, end = item.relative_path, int(item.offset) + int(item.length)
+            parts = pathlib.PurePath(name).parts if isinstance(name, str) else ()
+            if not parts or pathlib.PurePath(name).is_absolute() or ".." in parts:
+                raise ValueError(f"it names the shard file {name!r}, outside its directory")
+            if item.offset < 0 or item.length < 0:
+                raise ValueError(f"it gives {name} a negative offset or length")
+            ends[name] = max(ends.get(name, 0), end)
+    except Exception as error:  # unpickling a damaged file fails in many ways
+        reason = _one_line(error)
+        raise CheckpointError(f"{file}: not a readable DCP metadata file ({reason})") from None
+    if not ends:
+        raise CheckpointError(f"{file}: names no shard file")
+    return ends
+
+
+def check_sharded_files(checkpoint: str | os.PathLike) -> None:
+    """Check that the sharded checkpoint ``checkpoint`` (its ``sharded/`` directory) is whole
+    without reading a tensor: its ``.metadata`` is readable, every shard file it names is
+    there and at least as long as the items it places in it.
+
+    Raises:
+        CheckpointError: naming the missing, short or unreadable file.
+    """
+    directory = Path(checkpoint) / SHARDED_DIRNAME
+    metadata = directory / SHARD_METADATA_NAME
+    where = f"{SHARDED_DIRNAME}/{SHARD_METADATA_NAME}"
+    for name, end in sorted(read_shard_metadata(metadata).items()):
+        file = directory / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing ({where} names it)")
+        size = file.stat().st_size
+        if size < end:
+            raise CheckpointError(
+                f"{file}: truncated ({size} bytes; {where} places items up to byte {end})"
             )
 
 

@@ -23,9 +23,10 @@ in eval mode, the tokenizer stored with it (``None`` when there is none) and a
               (:func:`diffattn.dex.load_adapter`)
 ============  ===============================================================================
 
-A ``diffattn train`` run directory stands for its newest complete checkpoint, and ``RUN@STEP``
-for the checkpoint of that step (:func:`training_run_checkpoint`); both are then read as the
-diffattn model directory the checkpoint is.
+A ``diffattn train`` run directory stands for its final checkpoint, else its newest complete
+one (a checkpoint whose files were lost or cut off is not complete), and ``RUN@STEP`` for the
+checkpoint of that step (:func:`training_run_checkpoint`); both are then read as the diffattn
+model directory the checkpoint is (a sharded one: converted first, ``diffattn convert``).
 
 Weights are read from safetensors only. Every error names the path and what was expected.
 ``torch``, ``transformers`` and the converters are imported only when a model is loaded.
@@ -33,6 +34,7 @@ Weights are read from safetensors only. Every error names the path and what was 
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -41,6 +43,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from diffattn.fileio import CheckpointError, read_json
+
+logger = logging.getLogger("diffattn.loading")
+_NOTED: set[str] = set()
 
 MODEL_KINDS = ("diffattn", "hf", "gguf", "dex")
 SMOLLM2_ALIAS = "smollm2"
@@ -140,13 +145,20 @@ def training_run_checkpoint(spec: str | os.PathLike) -> Path | None:
     ``spec`` names no run, or a ``dex train`` run (``dex_run.json``), whose model is its
     ``adapter/`` on the base model it names.
 
+    A checkpoint whose files are not whole (one missing or cut off since it was written:
+    :func:`diffattn.train.checkpoint.check_checkpoint_files`) is not complete: ``RUN`` passes
+    over it to the newest complete one and says so on the ``diffattn.loading`` logger (a
+    warning, shown on stderr where logging is not set up).
+
     Raises:
-        CheckpointError: the run has no complete checkpoint, or none of that step (the error
-            lists the steps it has).
+        CheckpointError: the run has no complete checkpoint (naming the damaged files), none
+            of that step (the error lists the steps it has), or that step's is damaged (the
+            error names the file).
     """
     from diffattn.train.checkpoint import (
         CHECKPOINTS_DIRNAME,
         FINAL_ENTRY,
+        check_checkpoint_files,
         list_checkpoints,
         read_entry,
     )
@@ -161,21 +173,38 @@ def training_run_checkpoint(spec: str | os.PathLike) -> Path | None:
                 f"{text}: the run {run} has no complete checkpoint of step {int(step)} "
                 f"(its steps: {steps})"
             )
+        check_checkpoint_files(found[int(step)], diffattn_model=False)
         return found[int(step)]
     path = Path(text).expanduser()
     if (path / DEX_RUN_SETTINGS_NAME).is_file():
         return None  # a ``dex train`` run: its model is the adapter/ it holds
     if (path / CHECKPOINTS_DIRNAME).is_dir() and not (path / CONFIG_NAME).is_file():
-        final = read_entry(path / CHECKPOINTS_DIRNAME, FINAL_ENTRY)
-        if final is not None:
-            return final
-        found = list_checkpoints(path / CHECKPOINTS_DIRNAME)
-        if not found:
-            raise CheckpointError(
-                f"{path}: a training run with no complete checkpoint in {CHECKPOINTS_DIRNAME}/"
-            )
-        return found[-1][1]
+        root = path / CHECKPOINTS_DIRNAME
+        final = read_entry(root, FINAL_ENTRY)
+        candidates = [final] * (final is not None)
+        candidates += [found for _, found in reversed(list_checkpoints(root)) if found != final]
+        return _complete_checkpoint(path, candidates)
     return None
+
+
+def _complete_checkpoint(run: Path, candidates: list[Path]) -> Path:
+    """The first of ``candidates`` whose files are whole; the skipped ones are logged."""
+    from diffattn.train.checkpoint import CHECKPOINTS_DIRNAME, checkpoint_problem
+
+    skipped = []
+    for candidate in candidates:
+        problem = checkpoint_problem(candidate, diffattn_model=False)
+        if problem is None:
+            note = f"{run}: skipped {'; '.join(skipped)}; using {candidate}"
+            if skipped and note not in _NOTED:  # once, however often the run is resolved
+                _NOTED.add(note)
+                logger.warning(note)
+            return candidate
+        skipped.append(f"{candidate.name} ({problem})")
+    damaged = f" (damaged: {'; '.join(skipped)})" if skipped else ""
+    raise CheckpointError(
+        f"{run}: a training run with no complete checkpoint in {CHECKPOINTS_DIRNAME}/{damaged}"
+    )
 
 
 def resolve_source(spec: str | os.PathLike, base: str | os.PathLike | None = None) -> ModelSource:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from diffattn.checkpoint import SHARDED_DIRNAME
 from diffattn.loading import resolve_source
 
 SOURCE_KINDS: tuple[str, ...] = ("hf-llama", "hf-diffllama", "diffattn", "diffattn-sharded", "gguf")
@@ -41,7 +42,7 @@ def resolve_convert_source(src: str | os.PathLike) -> tuple[str, Path]:
         return "gguf", source.path
     if source.model_type in MODEL_TYPES:
         kind = MODEL_TYPES[source.model_type]
-        if kind == "diffattn" and (source.path / "sharded" / ".metadata").is_file():
+        if kind == "diffattn" and (source.path / SHARDED_DIRNAME).is_dir():
             kind = "diffattn-sharded"  # a sharded training checkpoint (diffattn.train.sharded)
         return kind, source.path
     if source.kind == "dex":

@@ -1,20 +1,29 @@
 """Training checkpoints: ``OUT/checkpoints/step-XXXXXXXX/``, written atomically, last k kept.
 
-A checkpoint directory is also a diffattn model directory (``config.json`` +
-``model.safetensors``, written by :func:`diffattn.checkpoint.save_model`), so
-``load_model(OUT/checkpoints/step-00001000)`` loads it. Next to the model it holds:
+A full checkpoint (``checkpoint_format: full``, the default outside FSDP2) is also a diffattn
+model directory (``config.json`` + ``model.safetensors``, written by
+:func:`diffattn.checkpoint.save_model`), so ``load_model(OUT/checkpoints/step-00001000)`` loads
+it. A sharded one (:mod:`diffattn.train.sharded`, the default under ``parallel: fsdp``) holds
+``config.json`` and the DCP shards in ``sharded/`` instead; ``diffattn convert`` writes the
+model directory from it. Next to the model it holds:
 
-* ``trainer_state.pt``: the step, the optimizer state (full, keyed by parameter names), the
-  learning-rate schedule, the loss-spike detector, and per rank the RNG states (python, numpy,
-  torch CPU and CUDA) and the data loader position. It is read with
-  ``torch.load(weights_only=True)`` only: plain containers and tensors, no pickled objects.
+* ``trainer_state.pt``: the step, the optimizer state (full, keyed by parameter names; in the
+  shards of a sharded checkpoint), the learning-rate schedule, the loss-spike detector, and
+  per rank the RNG states (python, numpy, torch CPU and CUDA) and the data loader position.
+  It is read with ``torch.load(weights_only=True)`` only: plain containers and tensors, no
+  pickled objects.
 * ``train_config.yaml``: the resolved training config.
 * the tokenizer files (``tokenizer.json``, ``tokenizer_config.json``).
 
 Beside the checkpoints, ``checkpoints/latest`` is a link to the newest one and
 ``checkpoints/final`` to the one of the run's last step (``steps`` reached), so
-``OUT/checkpoints/final`` is a model path; a resumed run drops ``final`` until it reaches its
-new last step. Both are relative symbolic links, replaced atomically.
+``OUT/checkpoints/final`` is a model path. A resumed run that goes further moves ``final``
+only when it writes a newer checkpoint: away from the old one, and to the new one at its new
+last step. Both are relative symbolic links, replaced atomically.
+
+A checkpoint is listed (:func:`list_checkpoints`) once its ``trainer_state.pt`` is in place;
+whether its files are whole (none lost or cut off since) is :func:`check_checkpoint_files`'s
+question, asked before a resume or a load uses it.
 
 Atomicity: everything is written with :func:`diffattn.fileio.atomic_directory` into a hidden
 temporary sibling (``.step-XXXXXXXX.tmp-*``), flushed to disk, and renamed into place, so a
@@ -176,11 +185,12 @@ def write_run_files(
 
 def check_checkpoint_files(checkpoint: str | os.PathLike, diffattn_model: bool = True) -> None:
     """Check that a checkpoint's files are complete without reading the tensors: every
-    safetensors header parses and its file has the size the header describes,
+    safetensors header parses and its file has the size the header describes, or (a sharded
+    checkpoint) every shard file its ``.metadata`` names is there and long enough,
     ``trainer_state.pt`` is a complete archive, and (``diffattn_model``) ``config.json`` is a
-    valid diffattn config. A cut-off or unreadable file raises a :class:`CheckpointError`
-    naming it."""
-    from diffattn.checkpoint import check_safetensors_files
+    valid diffattn config. A missing, cut-off or unreadable file raises a
+    :class:`CheckpointError` naming it."""
+    from diffattn.checkpoint import SHARDED_DIRNAME, check_safetensors_files, check_sharded_files
 
     checkpoint = Path(checkpoint)
     state = checkpoint / TRAINER_STATE_NAME
@@ -189,9 +199,8 @@ def check_checkpoint_files(checkpoint: str | os.PathLike, diffattn_model: bool =
             archive.infolist()
     except (OSError, zipfile.BadZipFile) as error:
         raise CheckpointError(f"{state}: unreadable ({error})") from None
-    if (checkpoint / "sharded").is_dir():  # diffattn.train.sharded: DCP writes .metadata last
-        if not (checkpoint / "sharded" / ".metadata").is_file():
-            raise CheckpointError(f"{checkpoint}/sharded: no .metadata (the save did not finish)")
+    if (checkpoint / SHARDED_DIRNAME).is_dir():  # diffattn.train.sharded
+        check_sharded_files(checkpoint)
     else:
         weights = sorted(checkpoint.glob("*.safetensors"))
         if not weights:
@@ -199,6 +208,16 @@ def check_checkpoint_files(checkpoint: str | os.PathLike, diffattn_model: bool =
         check_safetensors_files(weights)
     if diffattn_model:
         read_config(checkpoint)
+
+
+def checkpoint_problem(checkpoint: str | os.PathLike, diffattn_model: bool = True) -> str | None:
+    """Why the checkpoint's files are not whole (:func:`check_checkpoint_files`'s message,
+    naming the file), or ``None``."""
+    try:
+        check_checkpoint_files(checkpoint, diffattn_model=diffattn_model)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def load_trainer_state(checkpoint: str | os.PathLike) -> dict[str, Any]:

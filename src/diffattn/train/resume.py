@@ -112,13 +112,9 @@ def _fresh_start(config: TrainConfig, out: Path, overwrite: bool) -> StartPlan:
 
 
 def _problem(path: Path, model_config: ModelConfig | None) -> str | None:
-    """Why the checkpoint ``path`` cannot be resumed from (its files are cut off or
-    unreadable), or ``None``; reads headers only, not the tensors."""
-    try:
-        ckpt.check_checkpoint_files(path, diffattn_model=model_config is not None)
-    except ValueError as error:
-        return str(error)
-    return None
+    """Why the checkpoint ``path`` cannot be resumed from (a file is missing, cut off or
+    unreadable), or ``None``; reads headers and shard metadata only, not the tensors."""
+    return ckpt.checkpoint_problem(path, diffattn_model=model_config is not None)
 
 
 def _choose_step(root: Path, step: int, model_config: ModelConfig | None) -> StartPlan:
@@ -143,8 +139,8 @@ def _choose_newest(root: Path, fallback: bool, model_config: ModelConfig | None)
     skipped = []
     for candidate in candidates:
         problem = _problem(candidate, model_config)
-        if problem is None:
-            messages = [*skipped, f"resuming from {candidate}"] if skipped else []
+        if problem is None:  # one line: what was skipped, why, and where the run resumes
+            messages = ["; ".join([*skipped, f"resuming from {candidate}"])] if skipped else []
             return StartPlan(checkpoint=candidate, messages=messages)
         if not fallback:
             return _refused(

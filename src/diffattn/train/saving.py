@@ -107,23 +107,27 @@ class CheckpointSaving:
         return chosen
 
     def _continue_entries(self) -> None:
-        """On a resume (rank 0): checkpoints after the resumed step go to ``superseded/``,
-        ``latest`` points at the resumed one, and ``final`` goes until the run reaches its new
-        last step."""
+        """On a resume (rank 0): checkpoints after the resumed step go to ``superseded/`` and
+        ``latest`` points at the resumed one. ``final`` stays until the run writes a newer
+        checkpoint (:meth:`_point_entries`), so a resume that fails before its first save
+        leaves it; only a ``final`` whose checkpoint was set aside goes now."""
         root, found = self.checkpoint_root, self.checkpoint_found
         if found is None:
             return
         for moved in set_aside(self.out, self.superseded) if self.superseded else ():
             self._say(f"note: set aside {moved}")
-        self._point_entries(found, final=False)
-        if self.step < self.config.steps:
+        ckpt.point_entry(root, ckpt.LATEST_ENTRY, found)
+        if ckpt.read_entry(root, ckpt.FINAL_ENTRY) is None:  # its checkpoint is gone
             ckpt.clear_entry(root, ckpt.FINAL_ENTRY)
 
     def _point_entries(self, checkpoint: Path, final: bool) -> None:
-        """``latest`` (and, at the run's last step, ``final``) link to ``checkpoint``."""
+        """After writing ``checkpoint``: ``latest`` links to it, and ``final`` too when it is
+        the run's last step; else an older ``final`` goes (the run went past it)."""
         ckpt.point_entry(self.checkpoint_root, ckpt.LATEST_ENTRY, checkpoint)
         if final:
             ckpt.point_entry(self.checkpoint_root, ckpt.FINAL_ENTRY, checkpoint)
+        else:
+            ckpt.clear_entry(self.checkpoint_root, ckpt.FINAL_ENTRY)
 
     def _trainer_state(self, optimizer_state: dict | None, rank_states: list) -> dict[str, Any]:
         """What ``trainer_state.pt`` holds (the optimizer only when it is not sharded)."""

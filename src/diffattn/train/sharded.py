@@ -14,6 +14,14 @@ A job killed before the rename (``kill -9`` included) leaves only the temporary 
 which the next start removes, so a save in flight is never taken as complete and the previous
 checkpoint is what resumes.
 
+**Whole or damaged.** A checkpoint whose files were lost or cut off afterwards (a missing
+``.distcp``, a short one, an unreadable or missing ``.metadata``) is found without reading a
+tensor by :func:`diffattn.checkpoint.check_sharded_files`: every shard file ``.metadata``
+names must be there and at least as long as the items it places in it. Resume (and
+``--resume-fallback``, which skips such a checkpoint), a run directory as MODEL and
+:func:`consolidate` check it first and name the file; a load that fails anyway is one
+:class:`~diffattn.checkpoint.CheckpointError`, not DCP's traceback.
+
 **Asynchronous** (``async_checkpoint: true``): the state is copied to CPU memory and the
 writes run in a background thread (DCP's ``async_save``, over a separate gloo group so that
 they never interleave with the training's collectives). Training continues; after each step
@@ -42,15 +50,14 @@ import torch
 from torch import nn
 
 from diffattn import fileio
+from diffattn.checkpoint import SHARDED_DIRNAME, CheckpointError
 from diffattn.train import distributed
-
-SHARDED_DIRNAME = "sharded"
-METADATA_NAME = ".metadata"
 
 
 def is_sharded(checkpoint: str | Path) -> bool:
-    """Whether ``checkpoint`` holds DCP shards (a ``sharded/`` directory with metadata)."""
-    return (Path(checkpoint) / SHARDED_DIRNAME / METADATA_NAME).is_file()
+    """Whether ``checkpoint`` is a sharded one (it has a ``sharded/`` directory; whether its
+    files are whole is :func:`diffattn.checkpoint.check_sharded_files`'s question)."""
+    return (Path(checkpoint) / SHARDED_DIRNAME).is_dir()
 
 
 def _one_process() -> bool:
@@ -85,6 +92,7 @@ def load_sharded(
     """Read the shards of ``checkpoint`` into ``model`` (and ``optimizer``) as this launch
     lays them out (any world size or parallelism; see the module docstring). Collective."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_optimizer_state_dict,
@@ -92,11 +100,24 @@ def load_sharded(
 
     states = _states(model, optimizer)
     target = str(Path(checkpoint) / SHARDED_DIRNAME)
-    with _quiet_single_process():
-        dcp.load(states, checkpoint_id=target, no_dist=_one_process())
+    try:
+        with _quiet_single_process():
+            dcp.load(states, checkpoint_id=target, no_dist=_one_process())
+    except (Exception, CheckpointException) as error:  # DCP's is no Exception
+        raise CheckpointError(f"{target}: the shards do not load ({_reason(error)})") from None
     set_model_state_dict(model, states["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, states["optim"])
+
+
+def _reason(error: BaseException) -> str:
+    """One line on why a DCP load failed: the first sentence of the first rank's own error,
+    not DCP's traceback (nor torch's advice to load the file with ``weights_only=False``)."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))[0]
+    first = " ".join(str(error).split()).split(". ")[0]
+    return f"{type(error).__name__}: {first}"
 
 
 @dataclass
@@ -216,22 +237,20 @@ def consolidate(
     """Write the sharded ``checkpoint`` as a single model directory ``out`` (safetensors,
     ``config.json``, tokenizer, ``train_config.yaml``) in this one process, atomically;
     ``dtype`` casts the weights."""
-    from diffattn.checkpoint import CheckpointError, read_config, write_model_files
+    from diffattn.checkpoint import check_sharded_files, read_config, write_model_files
     from diffattn.model import DiffTransformerLM
     from diffattn.train.checkpoint import CONFIG_YAML_NAME
 
     checkpoint = Path(checkpoint)
     if not is_sharded(checkpoint):
         raise CheckpointError(f"{checkpoint}: not a sharded checkpoint (no {SHARDED_DIRNAME}/)")
+    check_sharded_files(checkpoint)  # a missing or cut-off file is named before any work
     config = read_config(checkpoint)
     with torch.device("meta"):
         model = DiffTransformerLM(config)
     model.to_empty(device="cpu")
     model.rotary.reset_parameters()
-    try:
-        load_sharded(checkpoint, model, None)
-    except Exception as error:
-        raise CheckpointError(f"{checkpoint}: its shards do not load ({error})") from None
+    load_sharded(checkpoint, model, None)
     if dtype is not None:
         model.to(dtype=dtype)
     with fileio.atomic_directory(out, overwrite=overwrite) as tmp:
