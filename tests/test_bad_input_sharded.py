@@ -166,6 +166,24 @@ def test_garbled_shard_bytes_are_one_error_naming_the_shards(sharded_run, tmp_pa
     assert not (tmp_path / "model").exists()
 
 
+def test_garbled_shard_bytes_on_resume_are_one_line_from_the_torchrun_entry_point(
+    sharded_run, tmp_path, capsys
+):
+    """``python -m diffattn.train`` (what torchrun runs) gives the same one line, exit 2."""
+    from diffattn.train.cli import main as train_main
+
+    recipe, run = sharded_run
+    out = tmp_path / "run"
+    shutil.copytree(run, out, symlinks=True)
+    shard = out / "checkpoints" / "step-00000004" / "sharded" / "__0_0.distcp"
+    shard.write_bytes(bytes(shard.stat().st_size))
+    capsys.readouterr()
+    argv = [str(recipe), "--out", str(out), "--resume", "--quiet", *ONE_PROCESS]
+    assert train_main([*argv, "--set", "steps=6"]) == 2
+    line = _one_line_naming(capsys.readouterr().err, shard.parent)
+    assert "the shards do not load" in line
+
+
 class _RunsACommand:
     """Pickles as a call of ``os.system``: what a hostile ``.metadata`` could hold."""
 

@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_settings(settings: TrainSettings) -> int:
     """Run ``diffattn train`` with ``settings``; returns the exit code."""
+    from diffattn.fileio import CheckpointError
     from diffattn.recipes import resolve_recipe
     from diffattn.train import ConfigError, TrainingDiverged, load_config, shutdown, train
 
@@ -184,7 +185,7 @@ def run_settings(settings: TrainSettings) -> int:
                 resume_fallback=settings.resume_fallback,
             )
         finished = True
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:
         error(str(exc))
         return 2
     except TrainingDiverged as exc:
