@@ -27,11 +27,22 @@ class _NoDiffattn(importlib.abc.MetaPathFinder):
         return None
 
 
-def main(hub_dir: str, out_json: str, block: bool) -> None:
+def guard_diffattn(block: bool) -> None:
+    """Make every later import of diffattn fail (``block``), or exit when diffattn is
+    importable here."""
     if block:
         sys.meta_path.insert(0, _NoDiffattn())
     elif importlib.util.find_spec("diffattn") is not None:
         sys.exit("diffattn is installed here; pass --block-diffattn")
+
+
+def diffattn_modules() -> list[str]:
+    """The modules of diffattn itself (not its vendored copy) imported in this process."""
+    return sorted(n for n in sys.modules if n == "diffattn" or n.startswith("diffattn."))
+
+
+def main(hub_dir: str, out_json: str, block: bool) -> None:
+    guard_diffattn(block)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -46,10 +57,9 @@ def main(hub_dir: str, out_json: str, block: bool) -> None:
         reloaded = AutoModelForCausalLM.from_pretrained(again, trust_remote_code=True).eval()
         with torch.no_grad():
             reloaded_logits = reloaded(batch["input_ids"][:1]).logits[0]
-    loaded = sorted(n for n in sys.modules if n == "diffattn" or n.startswith("diffattn."))
     report = {
         "model_class": f"{type(model).__module__}.{type(model).__name__}",
-        "diffattn_modules": loaded,
+        "diffattn_modules": diffattn_modules(),
         "pad_token": tokenizer.pad_token,
         "input_ids": batch["input_ids"].tolist(),
         "attention_mask": batch["attention_mask"].tolist(),

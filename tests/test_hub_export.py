@@ -1,7 +1,9 @@
 """``diffattn convert MODEL OUT --to hub``: a directory that loads with
 ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` where diffattn is not
 installed, for all three types, with diffattn's own logits and greedy tokens, a tokenizer that
-pads, HF's caches in ``generate``, and ``save_pretrained`` that keeps the remote code.
+pads, HF's caches in ``generate``, and ``save_pretrained`` that keeps the remote code, also
+after a second load in the same process and a ``transformers.Trainer`` step
+(``hub_resave_check.py``).
 
 The default suite runs the loading side in a subprocess whose imports of diffattn fail;
 ``.ci/run`` also runs it in a venv that has only torch and transformers
@@ -9,10 +11,12 @@ The default suite runs the loading side in a subprocess whose imports of diffatt
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -29,16 +33,23 @@ from helpers import ATTENTIONS
 from serve_helpers import save_tiny_model, word_tokenizer
 
 CHECK = Path(__file__).with_name("hub_remote_check.py")
+RESAVE = Path(__file__).with_name("hub_resave_check.py")
+
+
+def run_script(python: str, script: Path, args: list[str], modules: Path) -> None:
+    """Run ``script`` with ``python`` in the module cache ``modules``, offline; it must pass."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_MODULES_CACHE")}
+    env.update(HF_MODULES_CACHE=str(modules), HF_HUB_OFFLINE="1")
+    command = [python, str(script), *args]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def remote_report(hub: Path, tmp_path: Path, python: str, block: bool) -> dict:
     """The report of ``hub_remote_check.py`` run by ``python`` in a clean module cache."""
     out = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_MODULES_CACHE")}
-    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    command = [python, str(CHECK), str(hub), str(out), *(["--block-diffattn"] * block)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    args = [str(hub), str(out), *(["--block-diffattn"] * block)]
+    run_script(python, CHECK, args, tmp_path / "modules")
     return json.loads(out.read_text())
 
 
@@ -89,6 +100,111 @@ def test_hub_directory_in_a_venv_without_diffattn(attention, tmp_path):
     src = save_tiny_model(attention, tmp_path / "src")
     hub = convert(src, tmp_path / "hub", to="hub")
     check_against_diffattn(src, remote_report(hub, tmp_path, python, block=False))
+
+
+def export_types(tmp_path: Path) -> dict[str, Path]:
+    """Each type saved by diffattn (``src/<type>``, returned) and exported (``hub/<type>``)."""
+    sources = {}
+    for attention in ATTENTIONS:
+        sources[attention] = save_tiny_model(attention, tmp_path / "src" / attention)
+        convert(sources[attention], tmp_path / "hub" / attention, to="hub")
+    return sources
+
+
+def resaved_reports(tmp_path: Path, python: str, save_flag: str | None) -> tuple[dict, dict]:
+    """``hub_resave_check.py`` on the directories of :func:`export_types`: its save phase run
+    by ``python`` with ``save_flag``, then its load phase in a fresh process and module cache,
+    with diffattn blocked where ``python`` has it."""
+    work, blocked = tmp_path / "resaved", python == sys.executable
+    hubs = [str(tmp_path / "hub" / attention) for attention in ATTENTIONS]
+    save = ["save", str(work), str(tmp_path / "saved.json"), *hubs, *[save_flag] * bool(save_flag)]
+    run_script(python, RESAVE, save, tmp_path / "modules-save")
+    load = ["load", str(work), str(tmp_path / "loaded.json"), *["--block-diffattn"] * blocked]
+    run_script(python, RESAVE, load, tmp_path / "modules-load")
+    return json.loads((tmp_path / "saved.json").read_text()), json.loads(
+        (tmp_path / "loaded.json").read_text()
+    )
+
+
+def check_resaved(saved: dict, loaded: dict) -> None:
+    """Every directory the save phase wrote holds the remote code, loads in a fresh process
+    without diffattn, and gives the logits, tokens and config it was saved with; the training
+    step changed the model."""
+    assert loaded["diffattn_modules"] == []
+    assert sorted(loaded["directories"]) == sorted(ATTENTIONS)
+    for attention in ATTENTIONS:
+        before, after = saved["directories"][attention], loaded["directories"][attention]
+        for kind, names in before["files"].items():
+            assert "modeling_diffattn.py" in names, f"{attention} {kind}: {names}"
+        assert {"tokenizer.json", "tokenizer_config.json"} <= set(before["files"]["trained"])
+        assert sorted(after["logits"]) == sorted(before["logits"])
+        for kind in before["logits"]:
+            assert after["model_classes"][kind].endswith("modeling_diffattn.DiffAttnForCausalLM")
+            torch.testing.assert_close(
+                torch.tensor(after["logits"][kind]),
+                torch.tensor(before["logits"][kind]),
+                rtol=0,
+                atol=1e-6,
+                msg=lambda m, a=attention, k=kind: f"{a} {k}: {m}",
+            )
+        change = torch.tensor(before["logits"]["trained"]) - torch.tensor(before["logits"]["first"])
+        assert change.abs().max() > 1e-3, f"{attention}: the training step changed nothing"
+        assert after["config_class"].endswith("modeling_diffattn.DiffAttnConfig")
+        assert after["config"] == before["config"]
+        assert "not_a_setting" in (after["refused"] or ""), after["refused"]
+        assert after["token_ids"] == before["token_ids"]
+
+
+def check_remote_classes(saved: dict) -> None:
+    """Both loads of each directory gave the classes of its ``modeling_diffattn.py``, and the
+    class of the unpacked copy they subclass was saved too (``vendored``)."""
+    for attention, report in saved["directories"].items():
+        for name in (*report["config_classes"], *report["model_classes"]):
+            assert ".modeling_diffattn." in name, f"{attention}: {name}"
+        assert "vendored" in report["files"], attention
+
+
+@pytest.mark.parametrize("diffattn", ["blocked", "imported"])
+def test_hub_directories_save_themselves_after_a_second_load(diffattn, tmp_path):
+    """Each type loaded twice in one process, the second fine-tuned one step with
+    ``transformers.Trainer`` and saved with its tokenizer, the first and a config saved as
+    loaded: every saved directory loads in a fresh process where diffattn cannot be imported,
+    and equals what was saved. ``blocked``: diffattn cannot be imported while saving either;
+    ``imported``: it is, so transformers may build diffattn's own classes."""
+    sources = export_types(tmp_path)
+    flag = {"blocked": "--block-diffattn", "imported": "--import-diffattn"}[diffattn]
+    saved, loaded = resaved_reports(tmp_path, sys.executable, flag)
+    check_resaved(saved, loaded)
+    if diffattn == "blocked":
+        check_remote_classes(saved)
+    trainer = "Trainer" if importlib.util.find_spec("accelerate") else "AdamW"
+    for attention, src in sources.items():
+        report = saved["directories"][attention]
+        assert report["fine_tuned_with"] == trainer
+        with torch.no_grad():
+            model = DiffAttnForCausalLM.from_pretrained(src).eval()
+            want = model(torch.tensor(report["token_ids"][:1])).logits[0]
+        torch.testing.assert_close(torch.tensor(report["logits"]["first"]), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.hub_venv
+def test_hub_directories_save_themselves_in_a_venv_without_diffattn(tmp_path):
+    """:func:`test_hub_directories_save_themselves_after_a_second_load` in the interpreter of
+    ``DIFFATTN_HUB_PYTHON`` (``.ci/run``: torch and transformers only). Without ``accelerate``
+    there, ``Trainer`` cannot run and the step is taken with ``AdamW`` (a warning says so)."""
+    python = os.environ.get("DIFFATTN_HUB_PYTHON")
+    if not python:
+        pytest.skip("set DIFFATTN_HUB_PYTHON to a python without diffattn (.ci/run does)")
+    export_types(tmp_path)
+    saved, loaded = resaved_reports(tmp_path, python, None)
+    check_resaved(saved, loaded)
+    check_remote_classes(saved)
+    used = {report["fine_tuned_with"] for report in saved["directories"].values()}
+    if used != {"Trainer"}:
+        warnings.warn(
+            f"{python} has no accelerate: fine-tuned with {sorted(used)}, not transformers.Trainer",
+            stacklevel=1,
+        )
 
 
 def test_convert_command_writes_hub_and_refuses_what_it_cannot(tmp_path, capsys):

@@ -6,7 +6,9 @@ The directory is what ``DiffAttnForCausalLM.save_pretrained`` writes (``config.j
 * ``modeling_diffattn.py``, the remote code generated from the installed package
   (:mod:`diffattn.hf.remote_code` says how, and why it cannot drift), and ``auto_map`` in
   ``config.json`` pointing at it, so ``AutoConfig`` / ``AutoModelForCausalLM.from_pretrained(
-  dir, trust_remote_code=True)`` build the model on a machine without diffattn;
+  dir, trust_remote_code=True)`` build the model on a machine without diffattn (the file is
+  written by ``save_pretrained`` itself, as for any config whose ``auto_map`` points at it:
+  :mod:`diffattn.hf.remote_runtime`);
 * the tokenizer, with a pad token (the eos token when it has none: ``padding=True`` then works,
   and the attention mask hides the padding), and the special-token ids in both configs.
 
@@ -77,16 +79,17 @@ def diffattn_to_hub(
         CheckpointError / ValueError: unreadable weights or tokenizer, unusable ``out``.
     """
     require_transformers()
-    from diffattn.hf.remote_code import MODELING_FILE, modeling_file
+    from diffattn.hf.remote_code import MODELING_FILE
 
     config, state, raw = read_diffattn_dir(src_dir)
-    code = modeling_file()
     with atomic_directory(out, overwrite=overwrite) as tmp:
         ids = {**token_ids(raw), **_tokenizer_with_pad(src_dir, tmp)}
         model = _model(config, cast_state(state, dtype), ids)
+        # the config's auto_map makes this write modeling_diffattn.py too
         model.save_pretrained(str(tmp), safe_serialization=True)
-        (tmp / MODELING_FILE).write_text(code, encoding="utf-8")
         saved = json.loads((tmp / "config.json").read_text(encoding="utf-8"))
-        if saved.get("auto_map") is None:  # pragma: no cover - save_pretrained keeps it
-            raise CheckpointError(f"{out}: config.json lost its auto_map")
+        if saved.get("auto_map") is None or not (tmp / MODELING_FILE).is_file():  # pragma: no cover
+            raise CheckpointError(
+                f"{out}: config.json lost its auto_map, or {MODELING_FILE} is missing"
+            )
     return out

@@ -19,6 +19,7 @@ attributes on any config) is saved, and ``config.json`` lists such names under
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -26,6 +27,7 @@ from transformers import PretrainedConfig
 from diffattn.checkpoint import MODEL_TYPE
 from diffattn.config import RUNTIME_FIELDS, ModelConfig
 from diffattn.hf.compat import generic_config_keys
+from diffattn.hf.remote_runtime import register_auto_class, write_modeling_file
 
 # The architecture; the backend is chosen with HF's attn_implementation instead.
 _FIELDS = tuple(
@@ -206,6 +208,14 @@ class DiffAttnConfig(PretrainedConfig):
             data[EXTRA_ATTRIBUTES_KEY] = extras
         return data
 
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        """HF's ``save_pretrained`` (arguments passed on as given), then ``modeling_diffattn.py``
+        beside ``config.json`` when ``auto_map`` points at it and transformers copied no file
+        (:func:`~diffattn.hf.remote_runtime.write_modeling_file`). A model's ``save_pretrained``
+        calls this, so the file comes along with every save of a Hub directory's model."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        write_modeling_file(self, save_directory)
+
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "ffn_dim":
             raise AttributeError(f"DiffAttnConfig.{name} is derived; set the ModelConfig fields")
@@ -216,10 +226,9 @@ def _register() -> None:
     """Make ``AutoConfig`` know ``model_type: diffattn`` as soon as this class exists. The model
     class registers itself with ``AutoModelForCausalLM`` when :mod:`diffattn.hf.modeling` is
     imported; :func:`diffattn.hf.register` pairs the two (``import diffattn`` arranges that it
-    runs once this module or transformers has been imported, :mod:`diffattn.hf.autoregister`)."""
-    from transformers import AutoConfig
-
-    AutoConfig.register(DiffAttnConfig.model_type, DiffAttnConfig, exist_ok=True)
+    runs once this module or transformers has been imported, :mod:`diffattn.hf.autoregister`).
+    The copy vendored into Hub remote code registers nothing (:mod:`diffattn.hf.remote_runtime`)."""
+    register_auto_class("AutoConfig", DiffAttnConfig.model_type, DiffAttnConfig)
 
 
 _register()

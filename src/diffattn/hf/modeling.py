@@ -62,6 +62,7 @@ from diffattn.hf.paged import (
     is_paged_cache,
     paged_forward,
 )
+from diffattn.hf.remote_runtime import register_auto_class
 from diffattn.hf.tp_plan import TP_PLAN
 from diffattn.hf.value_heads import merge_value_heads, split_value_heads, value_parts
 from diffattn.model import (
@@ -615,10 +616,9 @@ class DiffAttnForCausalLM(DiffAttnPreTrainedModel, GenerationMixin):
 
 
 def _register() -> None:
-    """Make ``AutoModelForCausalLM`` build this class for ``DiffAttnConfig``."""
-    from transformers import AutoModelForCausalLM
-
-    AutoModelForCausalLM.register(DiffAttnConfig, DiffAttnForCausalLM, exist_ok=True)
+    """Make ``AutoModelForCausalLM`` build this class for ``DiffAttnConfig`` (not in the copy
+    vendored into Hub remote code: :mod:`diffattn.hf.remote_runtime`)."""
+    register_auto_class("AutoModelForCausalLM", DiffAttnConfig, DiffAttnForCausalLM)
 
 
 _register()

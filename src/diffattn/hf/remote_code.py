@@ -10,7 +10,8 @@ of the installed package:
    ``diffattn.hf.modeling`` and every attention backend, whose registry finds them by listing
    their package), followed through every ``import`` statement, module level or inside a
    function (:func:`module_closure`), plus the data files of their packages (the CPU kernel's
-   C++ source). The package root becomes an empty package: it only re-exports.
+   C++ source). The package root becomes an empty package, so what its ``__init__`` imports
+   is not followed.
 2. **Renamed, nothing else changed.** Each module is rewritten through its syntax tree:
    ``diffattn`` becomes a private package name, ``_diffattn_<hash of the sources>``, in import
    statements and in strings that name one of its submodules (``importlib.import_module``
@@ -23,7 +24,9 @@ of the installed package:
 
 The classes the file exposes, ``DiffAttnConfig`` and ``DiffAttnForCausalLM``, are subclasses
 defined in the file itself, so ``save_pretrained`` of a loaded model copies the file along and
-its output loads the same way.
+its output loads the same way. The vendored copy registers nothing with the Auto classes, and
+records on its package (:data:`SOURCE_ATTRIBUTE`) the file it was unpacked from
+(:mod:`diffattn.hf.remote_runtime` says why).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ PACKAGE = "diffattn"
 ROOTS = ("diffattn.hf.configuration", "diffattn.hf.modeling")
 ROOT_PACKAGES = ("diffattn.attention.backends",)
 MODELING_FILE = "modeling_diffattn.py"
+SOURCE_ATTRIBUTE = "MODELING_SOURCE"
+"""The vendored package's attribute: the path of the ``modeling_diffattn.py`` it came from."""
 AUTO_MAP = {
     "AutoConfig": "modeling_diffattn.DiffAttnConfig",
     "AutoModelForCausalLM": "modeling_diffattn.DiffAttnForCausalLM",
@@ -95,6 +100,8 @@ def module_closure(root: Path | None = None) -> dict[str, Path]:
         found[name] = path
         parts = name.split(".")
         todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # parent packages
+        if name == PACKAGE:  # vendored as ROOT_INIT, which imports nothing
+            continue
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
         todo += sorted(_imported_modules(name, tree, root))
     return dict(sorted(found.items()))
@@ -225,6 +232,7 @@ def _vendored_package():
     package = importlib.util.module_from_spec(spec)
     sys.modules[PRIVATE_PACKAGE] = package
     spec.loader.exec_module(package)
+    package.{source_attribute} = os.path.abspath(__file__)  # what its saves write
     return package
 
 
@@ -235,6 +243,11 @@ _modeling = importlib.import_module(PRIVATE_PACKAGE + ".hf.modeling")
 
 class DiffAttnConfig(_configuration.DiffAttnConfig):
     """diffattn's ``DiffAttnConfig`` (see its docstring), defined here for the Auto classes."""
+
+    def __init__(self, **kwargs):
+        """diffattn's constructor, with every argument. Defined here because transformers
+        gives a config subclass without one of its own a constructor that only sets fields."""
+        super().__init__(**kwargs)
 
 
 class DiffAttnForCausalLM(_modeling.DiffAttnForCausalLM):
@@ -252,4 +265,6 @@ def modeling_file() -> str:
     private, archive = vendored_archive()
     text = base64.b64encode(archive).decode("ascii")
     chunks = "\n".join(f'    "{text[i : i + 96]}"' for i in range(0, len(text), 96))
-    return _TEMPLATE.format(version=__version__, private=private, archive=chunks)
+    return _TEMPLATE.format(
+        version=__version__, private=private, archive=chunks, source_attribute=SOURCE_ATTRIBUTE
+    )
