@@ -237,7 +237,7 @@ def test_jobs_resolution():
 
 
 def test_needles_are_asked_with_the_digits_the_mix_trains():
-    from diffattn.compare import needle_settings_for
+    from diffattn.compare.language_modelling import needle_settings_for
 
     mix = ["synthetic:recall", "synthetic:needle?docs=10&digits=3", "stdlib"]
     assert needle_settings_for(EvalSettings(), mix).needle_digits == 3
@@ -299,3 +299,48 @@ def test_parallel_runs_are_reported_as_each_one_finishes(tmp_path):
     assert [line.split("]")[0] for _, line in finished] == ["[1/3", "[2/3", "[3/3"]
     assert "diff_v1" in finished[-1][1]  # the long run finishes last ...
     assert finished[-1][0] - finished[0][0] >= 3  # ... seconds after the first was reported
+
+
+def _without_timings(value):
+    timing = ("seconds", "cpu_seconds", "train_seconds", "train_cpu_seconds", "device")
+    if isinstance(value, dict):
+        return {k: _without_timings(v) for k, v in value.items() if k not in timing}
+    if isinstance(value, list):
+        return [_without_timings(v) for v in value]
+    return value
+
+
+def test_both_parts_in_one_pool_give_the_results_of_each_part_alone(tmp_path, corpus, monkeypatch):
+    """``--part all`` on two workers runs both parts in one pool (diffattn.compare.schedule):
+    every retrieval result and every training loss equals that of the part run on its own."""
+    from diffattn.compare import schedule
+
+    used = []
+    run_both = schedule.run_both
+    monkeypatch.setattr(schedule, "run_both", lambda *a, **k: used.append(1) or run_both(*a, **k))
+    retrieval = [
+        "retrieval.steps=4", "retrieval.seeds=1", "retrieval.test_episodes=2",
+        "retrieval.d_model=16", "retrieval.grid=[4, 6]", "retrieval.bits=[8]",
+    ]  # fmt: skip
+
+    def options(out, part):
+        chosen = small_options(tmp_path, corpus, part=part, jobs=2, out=tmp_path / out)
+        chosen.overrides = (*chosen.overrides, *retrieval)
+        chosen.attentions = ("baseline", "diff_v1")
+        return chosen
+
+    together = run_compare(options("together", "all"))
+    assert used == [1]
+    run_compare(options("retrieval-alone", "retrieval"))
+    alone = run_compare(options("lm-alone", "lm"))
+    assert used == [1]  # a single part runs on its own
+    for attention in ("baseline", "diff_v1"):
+        name = f"{attention}-seed0"
+        a = json.loads((tmp_path / "together" / "retrieval" / name / "retrieval.json").read_text())
+        b = json.loads(
+            (tmp_path / "retrieval-alone" / "retrieval" / name / "retrieval.json").read_text()
+        )
+        assert _without_timings(a) == _without_timings(b)
+    assert [r.train_curve for r in together.runs] == [r.train_curve for r in alone.runs]
+    assert [r.lambda_curve for r in together.runs] == [r.lambda_curve for r in alone.runs]
+    assert [r.final_val_loss for r in together.runs] == [r.final_val_loss for r in alone.runs]

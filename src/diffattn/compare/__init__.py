@@ -34,11 +34,17 @@ from dataclasses import dataclass
 from functools import partial
 from importlib import resources
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from diffattn.compare.evaluate import EvalSettings, MeasurementOptions
-from diffattn.compare.report import RunSummary, summarise_run, write_report
+from diffattn.compare.language_modelling import (
+    _Job,
+    _train_and_measure,
+    lm_finished_line,
+    lm_summaries,
+    lm_work,
+)
+from diffattn.compare.report import RunSummary, write_report
 from diffattn.settings import Settings, nested, progress_switch, setting
 from diffattn.train.cli import recipe_overrides
 
@@ -242,53 +248,6 @@ def _plan_text(options: CompareOptions, base: Any, retrieval: Any) -> str:
     return yaml.safe_dump(plan, sort_keys=True)
 
 
-@dataclass
-class _Job:
-    """One (attention, seed) run: train (or resume, or reuse), then measure."""
-
-    attention: str
-    seed: int
-    config: Any
-    run_dir: Path
-    progress: bool
-    threads: int | None
-    held_out: Any
-    eval_settings: EvalSettings
-
-
-def _train_and_measure(job: _Job) -> tuple[int, dict[str, Any], float, str]:
-    """Run ``job`` (in this process or a worker) on the device the process holds (see
-    :mod:`diffattn.compare.devices`); returns (tokens, measurements, seconds, device)."""
-    import torch
-
-    from diffattn.compare.devices import device_in_use
-    from diffattn.compare.evaluate import evaluate_checkpoint
-    from diffattn.data import prepare_data
-    from diffattn.eval.common import resolve_device
-    from diffattn.train import train
-    from diffattn.train.checkpoint import latest_checkpoint
-
-    if job.threads is not None:
-        torch.set_num_threads(job.threads)
-    device = device_in_use(str(job.config.device))  # the trainer's "cuda" is this device
-    started = time.perf_counter()
-    prepared = prepare_data(job.config.data_config(), progress=False)  # cached by the parent
-    resume = latest_checkpoint(job.run_dir / "checkpoints") is not None
-    result = train(job.config, job.run_dir, resume=resume, progress=job.progress, data=prepared)
-    if result.stopped is not None:
-        raise KeyboardInterrupt(f"{job.attention} seed {job.seed} stopped by {result.stopped}")
-    evals: dict[str, Any] = {}
-    if job.held_out is not None:
-        evals = evaluate_checkpoint(
-            latest_checkpoint(job.run_dir / "checkpoints"),
-            job.run_dir,
-            job.eval_settings,
-            job.held_out,
-            device=device if device.startswith("cuda") else resolve_device(str(job.config.device)),
-        )
-    return int(result.tokens), evals, time.perf_counter() - started, device
-
-
 def resolve_jobs(
     jobs: int | None, runs: int, device: str, per_device: int = 1
 ) -> tuple[int, int | None]:
@@ -304,32 +263,12 @@ def resolve_jobs(
     return jobs, threads
 
 
-def needle_settings_for(settings: EvalSettings, sources: Sequence[str]) -> EvalSettings:
-    """``settings`` with the needle digits and recall sizes of the mix's ``synthetic:`` sources,
-    so the evaluation asks what the models were trained to retrieve."""
-    from dataclasses import replace
-
-    from diffattn.data.synthetic import is_synthetic_spec, parse_synthetic_spec
-
-    for spec in sources:
-        if is_synthetic_spec(spec):
-            parsed = parse_synthetic_spec(spec)
-            if parsed.task == "needle":
-                settings = replace(settings, needle_digits=parsed.params["digits"])
-            else:
-                settings = replace(
-                    settings,
-                    recall_pairs=parsed.params["pairs"],
-                    recall_queries=parsed.params["queries"],
-                )
-    return settings
-
-
 def run_compare(options: CompareOptions) -> CompareResult:
     """Run the parts of the comparison ``options.part`` names: train every (attention, seed)
     run of the plan on the same data, measure every trained model, judge the claims and write
     the report."""
     from diffattn.compare.devices import plan_workers
+    from diffattn.compare.schedule import run_both, shared_plan
     from diffattn.fileio import use_plan_directory
 
     say = partial(print, flush=True) if options.progress else (lambda *a, **k: None)
@@ -348,7 +287,17 @@ def run_compare(options: CompareOptions) -> CompareResult:
 
     started = time.perf_counter()
     section = None
-    if options.part in ("all", "retrieval"):
+    summaries: list[RunSummary] = []
+    prepared = None
+    shared = shared_plan(options, base, configs, retrieval)
+    if shared is not None:  # one pool for both parts (diffattn.compare.schedule)
+        from diffattn.compare.retrieval_report import retrieval_section
+
+        per_type, summaries, prepared = run_both(
+            options, base, configs, retrieval, out, say, shared
+        )
+        section = retrieval_section(out, retrieval, per_type)
+    if shared is None and options.part in ("all", "retrieval"):
         from diffattn.compare.retrieval import run_all
         from diffattn.compare.retrieval_report import retrieval_section
 
@@ -357,9 +306,7 @@ def run_compare(options: CompareOptions) -> CompareResult:
             out, retrieval, options.attentions, options.jobs, say, options.jobs_per_device
         )
         section = retrieval_section(out, retrieval, per_type)
-    summaries: list[RunSummary] = []
-    prepared = None
-    if options.part in ("all", "lm"):
+    if shared is None and options.part in ("all", "lm"):
         summaries, prepared = _language_modelling(options, base, configs, out, say)
     report, plots = write_report(
         out, base, summaries, prepared, time.perf_counter() - started, retrieval=section
@@ -372,35 +319,11 @@ def _language_modelling(
 ) -> tuple[list[RunSummary], Any]:
     """The language-modelling part: every run trained and measured; their summaries."""
     from diffattn.compare.devices import holding, plan_workers
-    from diffattn.compare.evaluate import held_out_windows
-    from diffattn.data import prepare_data
 
     jobs, threads, devices = plan_workers(
         options.jobs, len(configs), str(base.device), options.jobs_per_device
     )
-    say(f"diffattn compare: preparing data ({', '.join(base.data_config().sources)})")
-    prepared = prepare_data(base.data_config(), progress=options.progress)
-    held_out = None
-    if options.evaluate:
-        max_tokens = options.eval_settings.max_tokens
-        if max_tokens is None:  # the trainer's own validation windows: one validation loss
-            eval_rows = base.eval_batches * (base.eval_batch_size or base.global_batch_size)
-            max_tokens = eval_rows * base.seq_len
-        held_out = held_out_windows(prepared.valid, base.seq_len, max_tokens)
-    settings = needle_settings_for(options.eval_settings, base.data_config().sources)
-    work = [
-        _Job(
-            attention,
-            seed,
-            config,
-            out / "runs" / f"{attention}-seed{seed}",
-            options.progress and jobs == 1,
-            threads,
-            held_out,
-            settings,
-        )
-        for (attention, seed), config in configs.items()
-    ]
+    work, prepared = lm_work(options, base, configs, out, say, threads, jobs == 1)
     done: dict[int, tuple[int, dict[str, Any], float, str]] = {}
     if jobs == 1:
         with holding(devices[0] if devices else None):
@@ -409,16 +332,7 @@ def _language_modelling(
                 done[index - 1] = _train_and_measure(job)
     else:
         done = _run_parallel(work, jobs, threads, say, devices)
-
-    summaries: list[RunSummary] = []
-    for index, job in enumerate(work):
-        tokens, evals, _, device = done[index]
-        result = SimpleNamespace(tokens=tokens)
-        summary = summarise_run(job.attention, job.seed, job.config, job.run_dir, result)
-        summary.evals = evals
-        summary.device = device
-        summaries.append(summary)
-    return summaries, prepared
+    return lm_summaries(work, done), prepared
 
 
 def _run_parallel(
@@ -452,11 +366,7 @@ def _run_parallel(
                 for future in finished:
                     index = futures[future]
                     done[index] = future.result()  # re-raises a worker's error here
-                    job = work[index]
-                    say(
-                        f"[{len(done)}/{len(work)}] {job.attention}, seed {job.seed}: "
-                        f"{done[index][2]:.0f} s on {done[index][3]} -> {job.run_dir}"
-                    )
+                    say(lm_finished_line(work[index], done[index], len(done), len(work)))
         except BaseException:
             for future in pending:
                 future.cancel()

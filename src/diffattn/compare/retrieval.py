@@ -440,6 +440,32 @@ def run_one(run: RetrievalRun) -> dict[str, Any]:
     return results
 
 
+def plan_runs(
+    out: Path, settings: RetrievalSettings, attentions: tuple[str, ...], threads: int | None
+) -> list[RetrievalRun]:
+    """Every (attention, seed) run of the experiment, seed by seed, in ``out/retrieval``."""
+    return [
+        RetrievalRun(a, seed, settings, Path(out) / "retrieval" / f"{a}-seed{seed}", threads)
+        for seed in range(settings.seeds)
+        for a in attentions
+    ]
+
+
+def finished_line(run: RetrievalRun, result: dict[str, Any], done: int, total: int) -> str:
+    """The progress line of a finished run."""
+    return f"  [{done}/{total}] {run.attention} seed {run.seed}: accuracy {result['acc_mean']:.3f}"
+
+
+def by_type(
+    runs: list[RetrievalRun], done: dict[int, dict[str, Any]], attentions: tuple[str, ...]
+) -> dict[str, list[dict[str, Any]]]:
+    """``{attention: [results per seed]}`` of finished ``runs`` (``done[i]``: run i's)."""
+    per_type: dict[str, list[dict[str, Any]]] = {a: [] for a in attentions}
+    for index, run in enumerate(runs):
+        per_type[run.attention].append(done[index])
+    return per_type
+
+
 def run_all(
     out: Path,
     settings: RetrievalSettings,
@@ -453,14 +479,9 @@ def run_all(
     seeds ``0 .. settings.seeds - 1`` in order."""
     from diffattn.compare.devices import holding, plan_workers, worker_pool
 
-    runs = [
-        RetrievalRun(a, seed, settings, Path(out) / "retrieval" / f"{a}-seed{seed}")
-        for seed in range(settings.seeds)
-        for a in attentions
-    ]
-    jobs, threads, devices = plan_workers(jobs, len(runs), settings.device, per_device)
-    for run in runs:
-        run.threads = threads
+    count = settings.seeds * len(attentions)
+    jobs, threads, devices = plan_workers(jobs, count, settings.device, per_device)
+    runs = plan_runs(out, settings, attentions, threads)
     on = f" on {', '.join(devices)}" if devices else ""
     say(f"retrieval: {len(runs)} runs, {jobs} at a time{on}")
     done: dict[int, dict[str, Any]] = {}
@@ -468,8 +489,7 @@ def run_all(
         with holding(devices[0] if devices else None):
             for index, run in enumerate(runs):
                 done[index] = run_one(run)
-                say(f"  [{index + 1}/{len(runs)}] {run.attention} seed {run.seed}: "
-                    f"accuracy {done[index]['acc_mean']:.3f}")  # fmt: skip
+                say(finished_line(run, done[index], index + 1, len(runs)))
     else:
         from concurrent.futures import as_completed
 
@@ -478,10 +498,5 @@ def run_all(
             for future in as_completed(futures):
                 index = futures[future]
                 done[index] = future.result()
-                run = runs[index]
-                say(f"  [{len(done)}/{len(runs)}] {run.attention} seed {run.seed}: "
-                    f"accuracy {done[index]['acc_mean']:.3f}")  # fmt: skip
-    per_type: dict[str, list[dict[str, Any]]] = {a: [] for a in attentions}
-    for index, run in enumerate(runs):
-        per_type[run.attention].append(done[index])
-    return per_type
+                say(finished_line(runs[index], done[index], len(done), len(runs)))
+    return by_type(runs, done, attentions)
