@@ -105,3 +105,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def record_documents(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Make every ``DiffTransformerLM`` forward of the test append ``(input_ids,
+    document_ids)`` to the returned list (the documents as given, ``None`` when none are)."""
+    seen: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    forward = DiffTransformerLM.forward
+
+    def recording(self, input_ids=None, *args, document_ids=None, **kwargs):
+        seen.append((input_ids, document_ids))
+        return forward(self, input_ids, *args, document_ids=document_ids, **kwargs)
+
+    monkeypatch.setattr(DiffTransformerLM, "forward", recording)
+    return seen

@@ -51,16 +51,9 @@ def runs(tmp_path_factory, data_cache):
 
 
 def _eval_loss(model, out, monkeypatch):
-    from diffattn.model import DiffTransformerLM
+    from helpers import record_documents
 
-    seen = []
-    forward = DiffTransformerLM.forward
-
-    def recording(self, input_ids=None, *args, document_ids=None, **kwargs):
-        seen.append((input_ids, document_ids))
-        return forward(self, input_ids, *args, document_ids=document_ids, **kwargs)
-
-    monkeypatch.setattr(DiffTransformerLM, "forward", recording)
+    seen = record_documents(monkeypatch)
     code = cli.main(
         ["eval", "loss", str(model), "--out", str(out), "--max-tokens", "3000", "--quiet"]
     )

@@ -28,17 +28,10 @@ def test_documents_begin_after_each_eos():
 
 
 def test_the_trainer_hands_the_documents_to_the_model(tmp_path, data_cache, monkeypatch):
-    from diffattn.model import DiffTransformerLM
     from diffattn.train import TrainConfig, train
+    from helpers import record_documents
 
-    seen = []
-    forward = DiffTransformerLM.forward
-
-    def recording(self, input_ids=None, *args, document_ids=None, **kwargs):
-        seen.append((input_ids, document_ids))
-        return forward(self, input_ids, *args, document_ids=document_ids, **kwargs)
-
-    monkeypatch.setattr(DiffTransformerLM, "forward", recording)
+    seen = record_documents(monkeypatch)
     recipe = short_documents_recipe(
         tmp_path, data_cache, steps=2, eval_every=2, document_masking=True
     )
