@@ -581,13 +581,13 @@ class DiffTransformerLM(nn.Module):
             )
         if document_ids is not None:
             labels = labels_within_documents(labels, document_ids)
-        # The documents' path reads its ids on the host already; elsewhere only labels that
-        # are all -100 have no target (NaN, as in torch), and checking them would make every
-        # call wait for the device.
-        if n == 1 or (document_ids is not None and not bool((labels[:, 1:] != IGNORE_INDEX).any())):
+        # Rows of one-token documents have no target, and the documents' path reads its ids on
+        # the host already, so it says so; elsewhere labels with no target give torch's NaN,
+        # as in HF's models (checking would make every call wait for the device).
+        if document_ids is not None and not bool((labels[:, 1:] != IGNORE_INDEX).any()):
             raise ValueError(
-                "no loss target: the mean next-token loss needs a token to predict within the "
-                "same document (rows of one token, or of one-token documents, have none)"
+                "no loss target: no token has a next token of its own document to predict "
+                "(the packed documents are one token long, or their labels are -100)"
             )
         return next_token_loss(logits, labels)
 
