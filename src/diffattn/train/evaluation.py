@@ -38,6 +38,21 @@ def model_inputs(chunk: torch.Tensor, eos_id: int | None) -> dict[str, torch.Ten
     return {"labels": chunk, "document_ids": documents_after_eos(chunk, eos_id)}
 
 
+def inputs_on(
+    device: torch.device, chunk: torch.Tensor, inputs: dict[str, torch.Tensor], targets: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``chunk`` and its model ``inputs`` (made on the host, where their targets were counted)
+    on ``device``, each tensor copied once (the labels that are the chunk itself are its copy);
+    without ``targets`` the labels are left out (a mean over no target is undefined)."""
+    moved = chunk.to(device, non_blocking=True)
+    on_device = {
+        name: moved if value is chunk else value.to(device, non_blocking=True)
+        for name, value in inputs.items()
+        if targets or name != "labels"
+    }
+    return moved, on_device
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -71,11 +86,9 @@ def evaluate(
     with eval_mode(model):
         for batch in batches:
             for chunk in batch.split(micro_batch_size):
-                count = target_count(model_inputs(chunk, eos_id))  # on the host
-                chunk = chunk.to(device)
                 inputs = model_inputs(chunk, eos_id)
-                if not count:  # a mean over no target is undefined, and weighs nothing
-                    del inputs["labels"]
+                count = target_count(inputs)  # on the host: no device sync
+                chunk, inputs = inputs_on(device, chunk, inputs, count)
                 with autocast(device, dtype):
                     output = model(chunk, **inputs)
                 if count:

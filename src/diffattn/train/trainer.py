@@ -60,7 +60,7 @@ from diffattn.train.building import TrainerBuilding
 from diffattn.train.config import (
     TrainConfig,
 )
-from diffattn.train.evaluation import Evaluation, evaluate, model_inputs
+from diffattn.train.evaluation import Evaluation, evaluate, inputs_on, model_inputs
 from diffattn.train.factory import NoProbe
 from diffattn.train.metrics import MetricsLogger, Progress
 from diffattn.train.outcome import StepState, TrainingDiverged, TrainResult
@@ -261,30 +261,28 @@ class Trainer(TrainerBuilding, CheckpointSaving):
         detached, 0-dim; their ratio after summing the losses over ranks is the mean).
         """
         config, device = self.config, self.device
-        chunks = batch.split(self.micro)  # counted on the host: no device sync
-        counts = [target_count(self._inputs(chunk)) for chunk in chunks]
+        chunks = batch.split(self.micro)
+        inputs = [self._inputs(chunk) for chunk in chunks]  # on the host: no device sync
+        counts = [target_count(chunk_inputs) for chunk_inputs in inputs]
         total = torch.tensor(float(sum(counts)), device=device)
         distributed.all_reduce_sum(total)
         loss_sum = torch.zeros((), device=device, dtype=torch.float32)
         for index, (chunk, count) in enumerate(zip(chunks, counts, strict=True)):
             last = index == self.accumulation - 1
             share = total / (self.world * max(count, 1))
-            chunk = chunk.to(device, non_blocking=True)
+            chunk, chunk_inputs = inputs_on(device, chunk, inputs[index], count)
             with gradient_sync(self.parallel_model, config.parallel, sync=last):
                 with autocast(device, config.dtype), self.probe.capture():
-                    output = self.parallel_model(chunk, **self._inputs(chunk, count))
+                    output = self.parallel_model(chunk, **chunk_inputs)
                 loss = weighted_loss(output, count, share)
                 loss.backward()
             loss_sum += loss.detach().float()
         return loss_sum, total
 
-    def _inputs(self, chunk: torch.Tensor, targets: int = 1) -> dict[str, torch.Tensor]:
-        """The model's keyword arguments besides the tokens: the labels (unless the chunk has
-        no ``targets``), and the documents with ``document_masking``."""
-        inputs = model_inputs(chunk, self.eos_id if self.config.document_masking else None)
-        if not targets:
-            del inputs["labels"]
-        return inputs
+    def _inputs(self, chunk: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments besides the tokens: the labels, and the documents
+        with ``document_masking``."""
+        return model_inputs(chunk, self.eos_id if self.config.document_masking else None)
 
     def train_step(self) -> StepState:
         """One optimizer step (see the module docstring); returns what the callbacks saw.
