@@ -158,8 +158,8 @@ def _masking(specs: list[str], splits: dict[str, RunSplit]) -> dict[str, Any]:
     """Where each model's windows are masked by document: as its run trained
     (``document_masking``: within each document, split after every EOS), else not at all."""
     values = {
-        spec: ("within documents" if splits[spec].document_masking else "across documents")
-        if spec in splits
+        spec: "within documents"
+        if spec in splits and splits[spec].document_masking
         else "across documents"
         for spec in specs
     }
