@@ -29,7 +29,10 @@ from diffattn.config import ModelConfig
 
 def cache_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes of K and V cached per token over all layers."""
-    numbers = 2 * config.n_layers * config.num_kv_heads * config.dim_per_head
+    numbers = sum(
+        config.type_of_layer(i).cache_layout(config).elements_per_token
+        for i in range(config.n_layers)
+    )
     return numbers * torch.empty((), dtype=dtype).element_size()
 
 
@@ -88,17 +91,19 @@ class StaticCache:
                 f"StaticCache max_len={max_len} exceeds the model's max_seq_len="
                 f"{config.max_seq_len}"
             )
-        d, kv = config.dim_per_head, config.num_kv_heads
-        if config.attention == "diff_v1":
-            k_shape, v_shape = (batch_size, kv, max_len, d), (batch_size, kv // 2, max_len, 2 * d)
-        else:
-            k_shape, v_shape = (batch_size, kv, max_len, d), (batch_size, kv, max_len, d)
+        layouts = [config.type_of_layer(i).cache_layout(config) for i in range(config.n_layers)]
         self.max_len = max_len
         self.keys = [
-            torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(config.n_layers)
+            torch.zeros(
+                (batch_size, lay.key_heads, max_len, lay.key_width), device=device, dtype=dtype
+            )
+            for lay in layouts
         ]
         self.values = [
-            torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(config.n_layers)
+            torch.zeros(
+                (batch_size, lay.value_heads, max_len, lay.value_width), device=device, dtype=dtype
+            )
+            for lay in layouts
         ]
         self._length: int | None = 0
         self._pending = 0

@@ -12,7 +12,10 @@ attention type then decides how those heads are used:
 * ``diff_v2`` (V2 blog): ``n_heads`` output heads, ``2 * n_heads`` query heads, ``n_kv_heads``
   key/value heads of width d, and W_λ: d_model -> n_heads.
 
-So a baseline preset and its DIFF twins differ only in the attention fields.
+So a baseline preset and its DIFF twins differ only in the attention fields. Each type is
+one declaration (:mod:`diffattn.attention.types`): what differs between types is asked of
+it, never decided here by the type's name. ``layer_types`` mixes types layer by layer (hybrid
+stacks); a type's own options live in ``attention_options`` under its name.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-AttentionType = Literal["baseline", "diff_v1", "diff_v2"]
+AttentionType = str
+"""A registered attention type's name (:func:`diffattn.attention.types.attention_type_names`)."""
 Backend = Literal["reference", "sdpa", "flash", "fused", "triton", "auto"]
 RopeStyle = Literal["half", "interleaved"]
 
-ATTENTION_TYPES: tuple[str, ...] = get_args(AttentionType)
+ATTENTION_TYPES: tuple[str, ...] = ("baseline", "diff_v1", "diff_v2")
+"""The papers' three types; more are registered (:mod:`diffattn.attention.types`)."""
 RUNTIME_FIELDS = frozenset({"backend"})
 """Fields that choose how the model runs, not what it computes; never saved as architecture."""
 BACKENDS: tuple[str, ...] = get_args(Backend)
@@ -90,6 +95,14 @@ class ModelConfig:
 
     # --- attention -------------------------------------------------------------------------
     attention: AttentionType = "baseline"
+    """The attention type of every layer that ``layer_types`` does not name otherwise."""
+    layer_types: tuple[str, ...] | None = None
+    """One attention type per layer (a hybrid stack), or ``None``: every layer ``attention``.
+    Given as a list of ``n_layers`` names, or as a repeating pattern, ``"diff_v1*3,baseline"``
+    (the pattern's length must divide ``n_layers``); kept as the full tuple."""
+    attention_options: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
+    """Each type's own options, ``{type: {option: value}}`` (its declared ``options``);
+    unset options take the declared defaults."""
     backend: str = field(default="auto", compare=False)
     """The attention backend the model starts with (``reference``, ``sdpa``, ``flash``, ``auto``
     or any registered one). A run-time choice, not architecture: it is not written to
@@ -130,6 +143,8 @@ class ModelConfig:
 
     # -------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", self._expand_layer_types(self.layer_types))
         self._validate()
         if self.head_dim is not None and self.head_dim * self.n_heads == self.d_model:
             # An explicit head width equal to the default is the default: one spelling per
@@ -144,6 +159,7 @@ class ModelConfig:
         self._validate_sizes()
         self._validate_choices()
         self._validate_heads()
+        self._validate_type_options()
         self._validate_lambda_init()
         self._validate_numbers_and_flags()
 
@@ -169,12 +185,15 @@ class ModelConfig:
 
     def _validate_choices(self) -> None:
         """The named choices: attention type, backend (built-in or registered), RoPE style."""
-        if self.attention not in ATTENTION_TYPES:
-            self._fail(
-                "attention",
-                f"unknown attention type {self.attention!r}; "
-                f"choose one of {', '.join(ATTENTION_TYPES)}",
-            )
+        from diffattn.attention.types import attention_type  # attention imports us
+
+        for field_name, name in [("attention", self.attention)] + [
+            ("layer_types", name) for name in self.layer_types or ()
+        ]:
+            try:
+                attention_type(name)
+            except ValueError as error:
+                self._fail(field_name, str(error))
         if not isinstance(self.backend, str):
             self._fail("backend", f"must be a backend name, got {self.backend!r}")
         from diffattn.attention.registry import check_backend_name  # attention imports us
@@ -191,7 +210,7 @@ class ModelConfig:
 
     def _validate_heads(self) -> None:
         """Head counts and widths (module docstring): d even for RoPE, GQA groups dividing the
-        query heads, and DIFF V1's pairing (§2.1) of query heads and key heads into twos."""
+        query heads, then each type's own conditions (``AttentionType.check``)."""
         if self.head_dim is None and self.d_model % self.n_heads != 0:
             self._fail(
                 "d_model",
@@ -203,18 +222,51 @@ class ModelConfig:
         kv = self.num_kv_heads
         if kv > self.n_heads or self.n_heads % kv != 0:
             self._fail("n_kv_heads", f"n_kv_heads={kv} must divide n_heads={self.n_heads}")
-        if self.attention == "diff_v1":
-            if self.n_heads % 2 != 0:
+        for declaration in self.attention_types:
+            for field_name, message in declaration.check(self):
+                self._fail(field_name, message)
+
+    def _validate_type_options(self) -> None:
+        """``attention_options``: a mapping from a type of this stack to its declared options."""
+        if not isinstance(self.attention_options, dict):
+            self._fail("attention_options", f"must be a mapping, got {self.attention_options!r}")
+        used = {declaration.name: declaration for declaration in self.attention_types}
+        for name, stored in self.attention_options.items():
+            if name not in used:
                 self._fail(
-                    "n_heads",
-                    f"diff_v1 pairs query heads into differential heads, so "
-                    f"n_heads must be even, got {self.n_heads}",
+                    "attention_options",
+                    f"options for {name!r}, which no layer of this model uses "
+                    f"(its types: {', '.join(used)})",
                 )
-            if kv % 2 != 0:
+            if not isinstance(stored, dict):
+                self._fail(f"attention_options.{name}", f"must be a mapping, got {stored!r}")
+            for option, why in used[name].option_problems(stored):
+                self._fail(f"attention_options.{name}.{option}", why)
+
+    def _expand_layer_types(self, given: Any) -> tuple[str, ...]:
+        """``layer_types`` as one name per layer: a sequence of ``n_layers`` names, or a
+        pattern string (``"diff_v1*3,baseline"``) repeated to fill ``n_layers``."""
+        if isinstance(given, str):
+            pattern: list[str] = []
+            for part in given.split(","):
+                name, _, count = part.strip().partition("*")
+                if not name.strip() or (count and not count.strip().isdigit()):
+                    self._fail("layer_types", f"cannot read the pattern {given!r} ({part!r})")
+                pattern += [name.strip()] * (int(count) if count else 1)
+            if not pattern or not isinstance(self.n_layers, int) or self.n_layers % len(pattern):
                 self._fail(
-                    "n_kv_heads",
-                    f"diff_v1 pairs key heads (K1, K2) and needs an even n_kv_heads, got {kv}",
+                    "layer_types",
+                    f"the pattern {given!r} has {len(pattern)} layers, which do not divide "
+                    f"n_layers={self.n_layers}",
                 )
+            return tuple(pattern * (self.n_layers // len(pattern)))
+        if not isinstance(given, list | tuple) or not all(isinstance(n, str) for n in given):
+            self._fail("layer_types", f"must be a list of type names or a pattern, got {given!r}")
+        if len(given) != self.n_layers:
+            self._fail(
+                "layer_types", f"names {len(given)} layers, but n_layers={self.n_layers}"
+            )
+        return tuple(given)
 
     def _validate_lambda_init(self) -> None:
         """λ_init (DIFF V1 Eq.2): ``"exp"`` for the depth schedule or a constant in (0, 1)."""
@@ -271,15 +323,53 @@ class ModelConfig:
             return self.ffn_hidden
         return _round_up(self.ffn_multiplier * self.d_model, self.ffn_multiple_of)
 
+    # --- the attention types ---------------------------------------------------------------
+    def type_of_layer(self, layer_index: int):
+        """The declaration (:class:`diffattn.attention.types.AttentionType`) of layer
+        ``layer_index``'s attention."""
+        from diffattn.attention.types import attention_type
+
+        names = self.layer_types
+        return attention_type(self.attention if names is None else names[layer_index])
+
+    @property
+    def attention_types(self) -> tuple:
+        """The declarations this stack uses, each once, in order of first use."""
+        from diffattn.attention.types import attention_type
+
+        names = dict.fromkeys(self.layer_types or (self.attention,))
+        return tuple(attention_type(name) for name in names)
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether layers differ in their attention type."""
+        return len(set(self.layer_types or ())) > 1
+
+    def single_type(self, what: str):
+        """The one declaration of a stack whose layers share a type; ``ValueError`` naming
+        ``what`` (a feature) for a mixed stack."""
+        if self.is_mixed:
+            raise ValueError(
+                f"{what} does not support a stack of mixed attention types "
+                f"(layer_types={','.join(self.layer_types)})"
+            )
+        return self.type_of_layer(0)
+
+    def options_of(self, type_name: str) -> dict[str, Any]:
+        """The options of type ``type_name``: the stored ones over its declared defaults."""
+        from diffattn.attention.types import attention_type
+
+        return attention_type(type_name).option_values(self.attention_options.get(type_name))
+
     @property
     def n_output_heads(self) -> int:
-        """Heads whose outputs W_O reads: 2h·d = n_heads·d channels in every type."""
-        return self.n_heads // 2 if self.attention == "diff_v1" else self.n_heads
+        """Heads the attention outputs (W_O reads n_heads·d channels in every type)."""
+        return self.single_type("n_output_heads").output_heads(self)
 
     @property
     def n_query_heads(self) -> int:
-        """Query heads of width d that are projected: 2·n_heads for V2, n_heads otherwise."""
-        return 2 * self.n_heads if self.attention == "diff_v2" else self.n_heads
+        """Query heads of width d that ``q_proj`` projects."""
+        return self.single_type("n_query_heads").query_heads(self)
 
     def lambda_init_for_layer(self, layer_index: int) -> float:
         """λ_init for a 0-based layer index (Eq.2): the depth schedule or the constant."""
@@ -290,12 +380,23 @@ class ModelConfig:
     # --- (de)serialisation -------------------------------------------------------------------
     def to_dict(self, include_runtime: bool = False) -> dict[str, Any]:
         """The fields as a plain dict: the architecture (what ``config.json`` stores), plus the
-        run-time choices of :data:`RUNTIME_FIELDS` with ``include_runtime``."""
-        return {
+        run-time choices of :data:`RUNTIME_FIELDS` with ``include_runtime``. ``layer_types``
+        and ``attention_options`` appear only when set, so a single-type model's dict is
+        what it always was."""
+        data = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
             if include_runtime or f.name not in RUNTIME_FIELDS
         }
+        if data["layer_types"] is None:
+            del data["layer_types"]
+        else:
+            data["layer_types"] = list(data["layer_types"])
+        if not data["attention_options"]:
+            del data["attention_options"]
+        else:
+            data["attention_options"] = {k: dict(v) for k, v in data["attention_options"].items()}
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:

@@ -56,42 +56,40 @@ class FlopCount:
         return 3.0 * self.forward
 
 
-def linear_flops_per_layer(config: ModelConfig) -> float:
+def over_layers(config: ModelConfig, per_layer) -> float:
+    """``per_layer(i)`` summed over the layers: ``n_layers · per_layer(0)`` when every layer
+    has the same type (one product, as counts were always made), else the sum."""
+    if not config.is_mixed:
+        return config.n_layers * per_layer(0)
+    return sum(per_layer(i) for i in range(config.n_layers))
+
+
+def linear_flops_per_layer(config: ModelConfig, layer_index: int = 0) -> float:
     """Forward FLOPs per token of one block's projections (attention and SwiGLU)."""
+    kind = config.type_of_layer(layer_index)
     d, h, h_kv = config.dim_per_head, config.n_heads, config.num_kv_heads
-    widths = config.n_query_heads * d + 2 * h_kv * d  # W_Q, W_K, W_V outputs
+    widths = kind.query_heads(config) * d + 2 * h_kv * d  # W_Q, W_K, W_V outputs
     widths += h * d  # W_O input: n_heads·d channels in every type
-    if config.attention == "diff_v2" and config.v2_use_lambda:
-        widths += h  # W_λ: d_model -> n_heads
+    widths += kind.extra_linear_outputs(config)  # e.g. DIFF V2's W_λ: d_model -> n_heads
     widths += 3 * config.ffn_dim  # SwiGLU gate, up and down
     return 2.0 * config.d_model * widths
 
 
 def attention_flops_per_layer(
-    config: ModelConfig, seq_len: int, v1_form: V1Form = "qk_once"
+    config: ModelConfig, seq_len: int, v1_form: V1Form = "qk_once", layer_index: int = 0
 ) -> float:
     """Forward FLOPs per token of one layer's causal attention (≈ ``seq_len/2`` keys)."""
-    return attention_flops_for_keys(config, seq_len / 2, v1_form)
+    return attention_flops_for_keys(config, seq_len / 2, v1_form, layer_index)
 
 
 def attention_flops_for_keys(
-    config: ModelConfig, keys: float, v1_form: V1Form = "qk_once"
+    config: ModelConfig, keys: float, v1_form: V1Form = "qk_once", layer_index: int = 0
 ) -> float:
-    """Forward FLOPs of one query token's attention in one layer when it reads ``keys`` keys."""
+    """Forward FLOPs of one query token's attention in one layer when it reads ``keys`` keys
+    (the layer type's ``attention_flops_for_keys``)."""
     if v1_form not in V1_FORMS:
         raise ValueError(f"v1_form must be one of {', '.join(V1_FORMS)}, got {v1_form!r}")
-    d = config.dim_per_head
-    per_map = 2.0 * d * keys  # QKᵀ of one query head of width d
-    if config.attention == "baseline":
-        return config.n_heads * (per_map + 2.0 * d * keys)
-    if config.attention == "diff_v2":
-        return config.n_query_heads * (per_map + 2.0 * d * keys)
-    pairs = config.n_heads // 2  # DIFF V1 differential heads, two maps each, V of width 2d
-    if v1_form == "qk_once":
-        return pairs * 2 * (per_map + 2.0 * (2 * d) * keys)
-    if v1_form == "v_once":
-        return pairs * (2 * per_map + 2.0 * (2 * d) * keys)
-    return pairs * 2 * 2 * (per_map + 2.0 * d * keys)  # one call per map and V half
+    return config.type_of_layer(layer_index).attention_flops_for_keys(config, keys, v1_form)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int, v1_form: V1Form = "qk_once") -> FlopCount:
@@ -101,10 +99,11 @@ def flops_per_token(config: ModelConfig, seq_len: int, v1_form: V1Form = "qk_onc
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    layers = config.n_layers
     return FlopCount(
-        linear=layers * linear_flops_per_layer(config),
-        attention=layers * attention_flops_per_layer(config, seq_len, v1_form),
+        linear=over_layers(config, lambda i: linear_flops_per_layer(config, i)),
+        attention=over_layers(
+            config, lambda i: attention_flops_per_layer(config, seq_len, v1_form, i)
+        ),
         lm_head=2.0 * config.d_model * config.vocab_size,
     )
 
@@ -118,8 +117,12 @@ def decode_flops_per_token(
     if prompt_len < 1 or new_tokens < 1:
         raise ValueError(f"prompt_len and new_tokens must be >= 1, got {prompt_len}, {new_tokens}")
     keys = prompt_len + (new_tokens + 1) / 2
-    layer = linear_flops_per_layer(config) + attention_flops_for_keys(config, keys, v1_form)
-    return config.n_layers * layer + 2.0 * config.d_model * config.vocab_size
+    layers = over_layers(
+        config,
+        lambda i: linear_flops_per_layer(config, i)
+        + attention_flops_for_keys(config, keys, v1_form, i),
+    )
+    return layers + 2.0 * config.d_model * config.vocab_size
 
 
 def throughput_bound(

@@ -23,7 +23,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from diffattn.attention import AttentionMaps, AttentionMask, build_attention
-from diffattn.attention.diff_v1 import DiffAttentionV1
+from diffattn.attention.common import ProjectedAttention
 from diffattn.attention.registry import check_backend_name
 from diffattn.cache import DynamicCache, StaticCache
 from diffattn.config import ModelConfig
@@ -256,8 +256,8 @@ class DiffTransformerLM(nn.Module):
             module.weight.normal_(0.0, cfg.init_std, generator=generator)
         elif isinstance(module, RMSNorm | RotaryEmbedding):
             module.reset_parameters()
-        elif isinstance(module, DiffAttentionV1):
-            module.reset_lambda(generator)
+        elif isinstance(module, ProjectedAttention):
+            module.reset_own_parameters(generator)  # the attention type's own initialisation
 
     # ------------------------------------------------------------------------------------
     @property

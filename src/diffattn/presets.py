@@ -78,12 +78,23 @@ def names() -> list[str]:
     return list(_PRESETS)
 
 
+def extra_parameters(config: ModelConfig) -> int:
+    """Parameters the model's attention types add over the matched baseline, all layers
+    (each layer's ``AttentionType.extra_parameters``; DIFF V2: the second half of W_Q and
+    W_λ)."""
+    if not config.is_mixed:
+        return config.n_layers * config.type_of_layer(0).extra_parameters(config)
+    return sum(config.type_of_layer(i).extra_parameters(config) for i in range(config.n_layers))
+
+
 def v2_extra_parameters(config: ModelConfig) -> int:
-    """Parameters DIFF V2 adds over the matched baseline: the second half of W_Q and W_λ."""
-    per_layer = config.d_model * config.n_heads * config.dim_per_head
-    if config.v2_use_lambda:
-        per_layer += config.d_model * config.n_heads
-    return config.n_layers * per_layer
+    """:func:`extra_parameters`, under the name DIFF V2's matching was first written with."""
+    return extra_parameters(config)
+
+
+def ffn_matched_layers(config: ModelConfig) -> int:
+    """How many layers have a type matched to the baseline by narrowing the FFN."""
+    return sum(config.type_of_layer(i).matches_by_ffn(config) for i in range(config.n_layers))
 
 
 def get(
@@ -124,16 +135,17 @@ def match_v2_params(config: ModelConfig, multiple_of: int | None = None) -> Mode
     ``multiple_of`` defaults to the config's ``ffn_multiple_of`` (64); ``1`` matches to the
     nearest unit, for CPU models too small for a 64-wide step.
     """
-    if config.attention != "diff_v2":
+    if not ffn_matched_layers(config):
+        names = ", ".join(declaration.name for declaration in config.attention_types)
         raise ValueError(
-            "match_params only applies to attention='diff_v2'; baseline and "
-            "diff_v1 are matched by construction"
+            f"match_params only applies to attention types that add parameters (such as "
+            f"diff_v2); {names} are matched by construction"
         )
     step = config.ffn_multiple_of if multiple_of is None else multiple_of
     if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
         raise ValueError(f"match_multiple_of must be a positive integer, got {step!r}")
     per_unit = 3 * config.d_model * config.n_layers  # one SwiGLU hidden unit, all layers
-    exact = config.ffn_dim - v2_extra_parameters(config) / per_unit
+    exact = config.ffn_dim - extra_parameters(config) / per_unit
     below = step * math.floor(exact / step)
     width = below if exact - below < below + step - exact else below + step
     if width <= 0:

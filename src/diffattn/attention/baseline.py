@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from diffattn.attention.common import ProjectedAttention, with_maps
 from diffattn.attention.kernels import softmax_attention
+from diffattn.attention.types import AttentionType, register_attention_type
 
 
 class BaselineAttention(ProjectedAttention):
@@ -25,3 +26,19 @@ class BaselineAttention(ProjectedAttention):
             layer=self.layer_index,
         )
         return out, maps
+
+
+class Baseline(AttentionType):
+    """The matched Transformer: LLaMA's grouped-query softmax attention, every default of
+    :class:`AttentionType` as it is."""
+
+    name = "baseline"
+    title = "Transformer"
+    colour = "tab:gray"
+    module = BaselineAttention
+    source = "LLaMA (Touvron et al., 2023): RoPE, grouped-query attention, no biases"
+    vllm_reason = None
+    tensor_parallel = True
+
+
+BASELINE = register_attention_type(Baseline())

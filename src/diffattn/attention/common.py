@@ -74,6 +74,10 @@ class ProjectedAttention(nn.Module):
     #: A V head's width in units of ``head_dim``: 1, or 2 for DIFF V1 (V heads of width 2d).
     value_width_factor = 1
 
+    def reset_own_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Initialise the type's own parameters (beyond the projections, which the model
+        initialises as Linear layers); none here."""
+
     def forward(
         self,
         x: torch.Tensor,

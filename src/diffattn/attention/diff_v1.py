@@ -18,6 +18,7 @@ from torch import nn
 
 from diffattn.attention.common import ProjectedAttention, with_maps
 from diffattn.attention.kernels import differential_attention
+from diffattn.attention.types import AttentionType, CacheLayout, register_attention_type
 from diffattn.config import ModelConfig
 from diffattn.layers import RMSNorm, local_share, memo_by_version
 
@@ -54,6 +55,10 @@ class DiffAttentionV1(ProjectedAttention):
             else None
         )
         self.reset_lambda()
+
+    def reset_own_parameters(self, generator: torch.Generator | None = None) -> None:
+        """The type's own initialisation (``DiffTransformerLM.init_weights``): λ's vectors."""
+        self.reset_lambda(generator)
 
     def reset_lambda(self, generator: torch.Generator | None = None) -> None:
         """λ vectors ~ N(0, lambda_std²), as in the official code."""
@@ -96,3 +101,101 @@ class DiffAttentionV1(ProjectedAttention):
         if self.head_norm is not None:
             out = self.head_norm(out) * (1.0 - self.lambda_init)
         return out, maps
+
+
+class DiffV1(AttentionType):
+    """DIFF V1 (Ye et al., ICLR 2025, §2.1): the baseline's ``n_heads`` query heads paired
+    into ``n_heads / 2`` differential heads, its ``n_kv_heads`` key heads into
+    ``n_kv_heads / 2`` groups with V of width 2d, λ by Eq.2 and Eq.3's head norm. Parameter
+    matched by construction (+4d λ and 2d norm weight a layer)."""
+
+    name = "diff_v1"
+    title = "DIFF V1"
+    colour = "tab:blue"
+    module = DiffAttentionV1
+    config_fields = (
+        "lambda_init",
+        "lambda_std",
+        "head_norm",
+        "head_norm_learnable",
+        "head_norm_eps",
+    )
+    differential = True
+    source = "Differential Transformer (arXiv 2410.05258), Eq.1-3"
+    lambda_label = "λ (Eq.2)"
+    lambda_key = "lambda"
+    vllm_reason = None
+    tensor_parallel = True
+    heads_per_output_head = 2
+
+    def check(self, config):
+        kv = config.num_kv_heads
+        if config.n_heads % 2 != 0:
+            return [
+                (
+                    "n_heads",
+                    f"diff_v1 pairs query heads into differential heads, so "
+                    f"n_heads must be even, got {config.n_heads}",
+                )
+            ]
+        if kv % 2 != 0:
+            return [
+                (
+                    "n_kv_heads",
+                    f"diff_v1 pairs key heads (K1, K2) and needs an even n_kv_heads, got {kv}",
+                )
+            ]
+        return []
+
+    def cache_layout(self, config) -> CacheLayout:
+        d, kv = config.dim_per_head, config.num_kv_heads
+        return CacheLayout(kv, d, kv // 2, 2 * d)
+
+    def kv_units(self, config) -> int:
+        return config.num_kv_heads // 2
+
+    def kv_unit_name(self, config) -> str:
+        return "DIFF V1 KV groups (key-head pairs)"
+
+    def extra_parameters(self, config) -> int:
+        d = config.dim_per_head
+        norm = 2 * d if config.head_norm and config.head_norm_learnable else 0
+        return 4 * d + norm
+
+    def matches_by_ffn(self, config) -> bool:
+        return False  # 4d + 2d a layer: matched by construction (§3.1)
+
+    def attention_flops_for_keys(self, config, keys: float, v1_form: str) -> float:
+        """Two maps per differential head against V of width 2d, counted as ``v1_form``
+        says: ``qk_once`` (App. A, FlashDiffAttn_1), ``v_once`` or ``split_v`` (four calls)."""
+        d = config.dim_per_head
+        per_map = 2.0 * d * keys
+        pairs = config.n_heads // 2
+        if v1_form == "qk_once":
+            return pairs * 2 * (per_map + 2.0 * (2 * d) * keys)
+        if v1_form == "v_once":
+            return pairs * (2 * per_map + 2.0 * (2 * d) * keys)
+        return pairs * 2 * 2 * (per_map + 2.0 * d * keys)
+
+    vllm_width_note = "DIFF V1 runs its attention at width 2·head_dim = {width}"
+
+    def vllm_call(self, config) -> tuple[int, int, int]:
+        """Each differential head's (q1, q2) as two query heads zero-padded to 2d, against
+        its group's K1/K2 and V of width 2d (:func:`diffattn.vllm_plugin.layout`)."""
+        return config.n_heads, config.num_kv_heads // 2, 2 * config.dim_per_head
+
+    def tp_plan(self, config, colwise, replicated):
+        return {"": replicated(stream=False)}  # λ replicated, after its projections
+
+    def lambda_init(self, config, layer_index: int) -> float:
+        return config.lambda_init_for_layer(layer_index)
+
+    def describe(self, config) -> str:
+        d = config.dim_per_head
+        return (
+            f"DIFF V1: {config.n_heads // 2} differential heads (Q1, Q2 of width {d}), "
+            f"{config.num_kv_heads // 2} KV groups with V of width {2 * d}"
+        )
+
+
+DIFF_V1 = register_attention_type(DiffV1())

@@ -18,6 +18,7 @@ from torch import nn
 
 from diffattn.attention.common import ProjectedAttention, with_maps
 from diffattn.attention.kernels import differential_attention_v2
+from diffattn.attention.types import AttentionType, register_attention_type
 from diffattn.config import ModelConfig
 
 
@@ -54,3 +55,54 @@ class DiffAttentionV2(ProjectedAttention):
             layer=self.layer_index,
         )
         return out, maps
+
+
+class DiffV2(AttentionType):
+    """DIFF V2 (blog, "Code"): ``2·n_heads`` query heads interleaved in their GQA groups,
+    the baseline's KV heads, W_λ: d_model → n_heads; parameter matched by narrowing the
+    SwiGLU (``presets.match_params``)."""
+
+    name = "diff_v2"
+    title = "DIFF V2"
+    colour = "tab:orange"
+    module = DiffAttentionV2
+    config_fields = ("v2_paired_heads", "v2_use_lambda", "v2_lambda_sigmoid")
+    differential = True
+    source = "Differential Transformer V2 (blog, Jan 2026), section Code"
+    lambda_label = "mean sigmoid(x·W_λ)"
+    lambda_key = "lambda_mean"
+    vllm_reason = None
+    tensor_parallel = True
+
+    def query_heads(self, config) -> int:
+        return 2 * config.n_heads
+
+    def extra_linear_outputs(self, config) -> int:
+        return config.n_heads if config.v2_use_lambda else 0  # W_λ
+
+    def extra_parameters(self, config) -> int:
+        """The second half of W_Q and W_λ."""
+        return config.d_model * config.n_heads * config.dim_per_head + config.d_model * (
+            self.extra_linear_outputs(config)
+        )
+
+    def tp_problem(self, config, tp: int) -> str | None:
+        if tp > 1 and not config.v2_paired_heads:
+            return (
+                "the unpaired DIFF V2 ablation (v2_paired_heads=false) pairs heads i and i+h "
+                "of different KV groups, which tensor parallelism cannot keep on one rank"
+            )
+        return None
+
+    def tp_plan(self, config, colwise, replicated):
+        return {"lambda_proj": colwise()} if config.v2_use_lambda else {}  # λ_i by its pair
+
+    def describe(self, config) -> str:
+        d = config.dim_per_head
+        return (
+            f"DIFF V2: {2 * config.n_heads} query heads of width {d} in "
+            f"{config.n_heads} pairs, {config.num_kv_heads} KV heads"
+        )
+
+
+DIFF_V2 = register_attention_type(DiffV2())

@@ -64,6 +64,18 @@ TOKEN_ID_NAMES = ("pad_token_id", "bos_token_id", "eos_token_id")
 """Special token ids every config states (``None`` when the tokenizer has none)."""
 
 
+def _heads_per_output_head(name: str) -> int:
+    """How many of ``n_heads`` make one of HF's ``num_attention_heads`` for type ``name`` (2
+    for DIFF V1's differential heads); 1 for a name that is not registered, which
+    ``ModelConfig`` then refuses by name."""
+    from diffattn.attention.types import attention_type
+
+    try:
+        return attention_type(name).heads_per_output_head
+    except ValueError:
+        return 1
+
+
 def _translate(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The diffattn fields given in ``kwargs`` under either name (popped from ``kwargs``)."""
     fields = {name: kwargs.pop(name) for name in _FIELDS if name in kwargs}
@@ -79,7 +91,7 @@ def _translate(kwargs: dict[str, Any]) -> dict[str, Any]:
         fields[field] = bool(value) if field == "tie_embeddings" else value
     if "num_attention_heads" in kwargs:
         value = kwargs.pop("num_attention_heads")
-        factor = 2 if fields.get("attention", "baseline") == "diff_v1" else 1
+        factor = _heads_per_output_head(fields.get("attention", "baseline"))
         n_heads = int(value) * factor
         if "n_heads" in fields and fields["n_heads"] != n_heads:
             raise ValueError(
@@ -161,7 +173,7 @@ class DiffAttnConfig(PretrainedConfig):
 
     @num_attention_heads.setter
     def num_attention_heads(self, value: int) -> None:
-        factor = 2 if getattr(self, "attention", "baseline") == "diff_v1" else 1
+        factor = _heads_per_output_head(getattr(self, "attention", "baseline"))
         self.n_heads = int(value) * factor
 
     num_key_value_heads = _derived(

@@ -154,11 +154,10 @@ def check_tensor_parallel(config, engine_args: tuple[str, ...]) -> None:
         attention_layout(config, size)
     except ValueError as error:
         raise ValueError(f"--vllm-args: {error}") from None
-    if config.attention == "diff_v2" and not config.v2_paired_heads and size > 1:
-        raise ValueError(
-            "--vllm-args: the unpaired DIFF V2 ablation (v2_paired_heads=False) cannot be split "
-            "by tensor parallelism; serve it with --tensor-parallel-size 1"
-        )
+    for declaration in config.attention_types:
+        problem = declaration.tp_problem(config, size) if size > 1 else None
+        if problem is not None:
+            raise ValueError(f"--vllm-args: {problem}; serve it with --tensor-parallel-size 1")
 
 
 def vllm_argv(options: ServeOptions, directory: Path | str, dtype: str) -> list[str]:

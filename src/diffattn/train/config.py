@@ -80,7 +80,7 @@ class ModelSection:
     """
 
     preset: str = "tiny"
-    attention: Literal["baseline", "diff_v1", "diff_v2"] = "baseline"
+    attention: str = "baseline"
     match_params: bool = False
     """DIFF V2 only: narrow the SwiGLU so the parameter count matches the baseline."""
     match_multiple_of: int | None = None

@@ -47,30 +47,30 @@ from diffattn.config import ModelConfig
 
 def kv_groups(config: ModelConfig) -> int:
     """The number of KV groups: the units tensor parallelism splits attention by."""
-    kv = config.num_kv_heads
-    return kv // 2 if config.attention == "diff_v1" else kv
+    return config.single_type("kv_groups").kv_units(config)
 
 
 def tp_problem(config: ModelConfig, tp: int) -> str | None:
     """Why ``config``'s model cannot be split over ``tp`` ranks, or ``None`` when it can."""
     if tp == 1:
         return None
-    if config.attention not in ("baseline", "diff_v1", "diff_v2"):
-        return f"tensor parallelism covers baseline, diff_v1 and diff_v2, not {config.attention}"
-    groups = kv_groups(config)
-    if groups % tp:
-        return f"tp={tp} does not divide the model's {groups} KV groups"
+    for declaration in config.attention_types:
+        if not declaration.tensor_parallel:
+            return declaration.tp_problem(config, tp)
+    for declaration in config.attention_types:
+        groups = declaration.kv_units(config)
+        if groups % tp:
+            return f"tp={tp} does not divide the model's {groups} KV groups"
     if config.ffn_dim % tp:
         return f"tp={tp} does not divide the FFN width {config.ffn_dim}"
     if config.vocab_size % tp:
         return f"tp={tp} does not divide vocab_size={config.vocab_size} (embedding rows)"
     if config.tie_embeddings:
         return "tied embeddings are not supported with tp > 1 (set model.tie_embeddings: false)"
-    if config.attention == "diff_v2" and not config.v2_paired_heads:
-        return (
-            "v2_paired_heads=false pairs heads i and i+h of different KV groups, which "
-            "tensor parallelism cannot keep on one rank"
-        )
+    for declaration in config.attention_types:
+        problem = declaration.tp_problem(config, tp)
+        if problem is not None:
+            return problem
     return None
 
 
@@ -150,10 +150,14 @@ def tp_plan(config: ModelConfig) -> dict[str, Any]:
         "norm": ReplicatedParallel(),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     }
-    if config.attention == "diff_v1":
-        plan["layers.*.attn"] = ReplicatedParallel(stream=False)  # after its projections
-    if config.attention == "diff_v2" and config.v2_use_lambda:
-        plan["layers.*.attn.lambda_proj"] = ColwiseParallel()  # λ_i beside its head pair
+    # Each type's own entries, under its attention module (DIFF V1: the module replicated
+    # after its projections; DIFF V2: W_λ by column, λ_i beside its head pair).
+    layers = ["*"] if not config.is_mixed else range(config.n_layers)
+    for layer in layers:
+        declaration = config.type_of_layer(0 if layer == "*" else layer)
+        own = declaration.tp_plan(config, ColwiseParallel, ReplicatedParallel)
+        for path, style in own.items():
+            plan[f"layers.{layer}.attn" + (f".{path}" if path else "")] = style
     return plan
 
 

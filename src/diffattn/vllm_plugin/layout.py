@@ -58,18 +58,19 @@ def attention_layout(config: ModelConfig, tp_size: int = 1) -> AttentionLayout:
         ValueError: ``tp_size`` does not split the heads into whole KV groups (whole (K1, K2)
             pairs for DIFF V1).
     """
-    d = config.dim_per_head
-    kv_units = config.num_kv_heads // 2 if config.attention == "diff_v1" else config.num_kv_heads
+    declaration = config.single_type("vLLM's attention layout")
+    if declaration.vllm_reason is not None:
+        raise ValueError(
+            f"vLLM cannot serve attention type {declaration.name!r}: {declaration.vllm_reason}"
+        )
+    kv_units = declaration.kv_units(config)
     if tp_size < 1 or kv_units % tp_size:
-        unit = "DIFF V1 KV groups (key-head pairs)" if config.attention == "diff_v1" else "KV heads"
+        unit = declaration.kv_unit_name(config)
         raise ValueError(
             f"tensor parallel size {tp_size} must divide the {kv_units} {unit} of this model"
         )
-    if config.attention == "diff_v1":
-        return AttentionLayout(config.n_heads // tp_size, kv_units // tp_size, 2 * d, d**-0.5)
-    return AttentionLayout(
-        config.n_query_heads // tp_size, config.num_kv_heads // tp_size, d, d**-0.5
-    )
+    heads, kv_heads, width = declaration.vllm_call(config)
+    return AttentionLayout(heads // tp_size, kv_heads // tp_size, width, config.dim_per_head**-0.5)
 
 
 def head_size_problem(config: ModelConfig, layout: AttentionLayout, backend) -> str | None:
@@ -77,11 +78,7 @@ def head_size_problem(config: ModelConfig, layout: AttentionLayout, backend) -> 
     if backend.supports_head_size(layout.head_size):
         return None
     supported = ", ".join(map(str, backend.get_supported_head_sizes()))
-    what = (
-        f"DIFF V1 runs its attention at width 2·head_dim = {layout.head_size}"
-        if config.attention == "diff_v1"
-        else f"its attention heads have width head_dim = {layout.head_size}"
-    )
+    what = config.single_type("vLLM").vllm_width_note.format(width=layout.head_size)
     return (
         f"vLLM's {backend.get_name()} attention backend cannot serve this {config.attention} "
         f"model: {what}, and the backend supports head sizes {supported}"
@@ -93,11 +90,7 @@ def ideal_kv_cache_bytes_per_token(config: ModelConfig, element_bytes: int) -> i
 
     Baseline and DIFF V2: ``n_kv_heads`` keys and values of width d. DIFF V1: per KV group, K1
     and K2 of width d and V of width 2d (DIFF V1 §2.1), which is the same count."""
-    d = config.dim_per_head
-    if config.attention == "diff_v1":
-        per_layer = (config.num_kv_heads // 2) * (2 * d + 2 * d)
-    else:
-        per_layer = config.num_kv_heads * 2 * d
+    per_layer = config.single_type("vLLM").cache_layout(config).elements_per_token
     return per_layer * element_bytes * config.n_layers
 
 
