@@ -23,6 +23,8 @@ pytestmark = require_extra("hf")
 import transformers
 
 from diffattn import DiffTransformerLM, ModelConfig
+from diffattn.attention.baseline import Baseline, BaselineAttention
+from diffattn.attention.types import register_attention_type, unregister_attention_type
 from diffattn.checkpoint import (
     CheckpointError,
     load_model,
@@ -403,6 +405,48 @@ def test_wrong_target_for_attention_type(tmp_path, attention, fields, to, messag
     with pytest.raises(ValueError, match=message):
         convert(src, tmp_path / "out", to=to)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("to", ["hf-llama", "hf-diffllama"])
+def test_a_mixed_stack_converts_to_hub_only(tmp_path, to):
+    model = our_model("baseline", 4, 2, False, layer_types="diff_v1,baseline")
+    src = save_model(model, tmp_path / "ours")
+    with pytest.raises(ValueError) as error:
+        convert(src, tmp_path / "out", to=to)
+    assert str(error.value) == (
+        f"--to {to} writes one Hugging Face architecture for every layer; this model mixes the "
+        "attention types diff_v1, baseline (layer_types=diff_v1,baseline), which converts with "
+        "--to hub only"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+class Renamed(Baseline):
+    """The baseline's computation under another name: it sets no ``hf_format``, which is not
+    inherited, so no Hugging Face format claims it."""
+
+    name = "renamed_toy"
+    module = BaselineAttention
+
+
+def test_a_type_converts_only_to_the_format_it_declares():
+    from diffattn.convert.common import check_hf_format
+
+    register_attention_type(Renamed())
+    try:
+        config = ModelConfig(d_model=64, n_heads=4, attention="renamed_toy")
+        assert Baseline.hf_format == "hf-llama" and Renamed.hf_format is None
+        for to in ("hf-llama", "hf-diffllama"):
+            with pytest.raises(ValueError) as error:
+                check_hf_format(config, to)
+            assert str(error.value) == (
+                f"--to {to} cannot write attention type 'renamed_toy', which has no Hugging "
+                "Face counterpart; it converts with --to hub"
+            )
+    finally:
+        unregister_attention_type("renamed_toy")
+    check_hf_format(ModelConfig(d_model=64, n_heads=4, attention="baseline"), "hf-llama")
+    check_hf_format(ModelConfig(d_model=64, n_heads=4, attention="diff_v1"), "hf-diffllama")
 
 
 def test_hf_source_cannot_target_hf(tmp_path):

@@ -38,6 +38,7 @@ class Baseline(AttentionType):
     module = BaselineAttention
     source = "LLaMA (Touvron et al., 2023): RoPE, grouped-query attention, no biases"
     vllm_reason = None
+    hf_format = "hf-llama"
     tensor_parallel = True
 
 

@@ -125,6 +125,7 @@ class DiffV1(AttentionType):
     lambda_label = "λ (Eq.2)"
     lambda_key = "lambda"
     vllm_reason = None
+    hf_format = "hf-diffllama"
     tensor_parallel = True
     heads_per_output_head = 2
 

@@ -132,13 +132,30 @@ class AttentionType:
     lambda_key: ClassVar[str] = "lambda"
     """The key of its λ in the per-layer summaries of ``compare`` (``lambda``/``lambda_mean``)."""
     vllm_reason: ClassVar[str | None] = "no vLLM attention layout is declared for this type"
-    """Why vLLM cannot serve the type, or ``None`` when the plugin can."""
+    """Why vLLM cannot serve the type, or ``None`` when the plugin can (with :meth:`vllm_call`,
+    :meth:`vllm_weights`, :meth:`vllm_queries` and :meth:`vllm_output`). Not inherited
+    (:data:`NOT_INHERITED`)."""
+    hf_format: ClassVar[str | None] = None
+    """The Hugging Face format of its own that ``diffattn convert --to FORMAT`` writes a model
+    of this type as (``hf-llama``: ``LlamaForCausalLM``, ``hf-diffllama``:
+    ``DiffLlamaForCausalLM``), or ``None``: only ``--to hub``. Not inherited."""
+    NOT_INHERITED: ClassVar[tuple[str, ...]] = ("vllm_reason", "hf_format")
+    """Claims about what the type computes, which a subclass may no longer meet: one that does
+    not set them in its own body gets :class:`AttentionType`'s defaults (not served by vLLM,
+    no Hugging Face format of its own) rather than its parent's values."""
     tensor_parallel: ClassVar[bool] = False
     """Whether the type declares a tensor-parallel plan (:meth:`tp_plan`): its heads split by
     :meth:`kv_units` with ``q_proj``/``k_proj``/``v_proj`` by column and ``o_proj`` by row."""
     heads_per_output_head: ClassVar[int] = 1
     """How many of the baseline's ``n_heads`` make one output head (2 for DIFF V1: a
     differential head is a pair); Hugging Face's ``num_attention_heads`` counts output heads."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Reset the attributes of :data:`NOT_INHERITED` that ``cls`` does not set itself."""
+        super().__init_subclass__(**kwargs)
+        for name in AttentionType.NOT_INHERITED:
+            if name not in cls.__dict__:
+                setattr(cls, name, AttentionType.__dict__[name])
 
     # --- options ----------------------------------------------------------------------
     def option_values(self, stored: Mapping[str, Any] | None) -> dict[str, Any]:

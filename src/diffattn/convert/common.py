@@ -6,7 +6,7 @@ Tensor names (per layer ``i``; HF prefixes ``model.`` to everything but the LM h
     embed_tokens.weight              model.embed_tokens.weight
     layers.i.attn_norm.weight        model.layers.i.input_layernorm.weight
     layers.i.attn.{q,k,v,o}_proj     model.layers.i.self_attn.{q,k,v,o}_proj
-    layers.i.attn.lambda_{q1,k1,q2,k2}  model.layers.i.self_attn.lambda_{q1,k1,q2,k2}  (DIFF V1)
+    layers.i.attn.NAME               model.layers.i.self_attn.NAME  (a type's own: DIFF V1's λ)
     layers.i.ffn_norm.weight         model.layers.i.post_attention_layernorm.weight
     layers.i.ffn.{gate,up,down}_proj model.layers.i.mlp.{gate,up,down}_proj
     norm.weight                      model.norm.weight
@@ -63,7 +63,6 @@ _LAYER_KEYS = {
     "ffn.up_proj.weight": "mlp.up_proj.weight",
     "ffn.down_proj.weight": "mlp.down_proj.weight",
 }
-LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 
 
 # ----------------------------------------------------------------------------------------
@@ -117,18 +116,49 @@ def cast_state(
 
 # ----------------------------------------------------------------------------------------
 # names
+def _hf_name(ours: str) -> str:
+    """The Hugging Face name of the diffattn tensor ``ours`` (module docstring's table; a
+    type's own attention tensors keep their names under ``self_attn``)."""
+    if ours in ("embed_tokens.weight", "norm.weight"):
+        return f"model.{ours}"
+    if ours == "lm_head.weight":
+        return ours
+    layers, index, rest = ours.split(".", 2)
+    if layers != "layers":  # pragma: no cover - DiffTransformerLM has no other tensors
+        raise ValueError(f"{ours}: no Hugging Face name is known for this tensor")
+    if rest in _LAYER_KEYS:
+        return f"model.layers.{index}.{_LAYER_KEYS[rest]}"
+    if rest.startswith("attn."):
+        return f"model.layers.{index}.self_attn.{rest[len('attn.') :]}"
+    raise ValueError(f"{ours}: no Hugging Face name is known for this tensor")
+
+
 def key_map(config: ModelConfig) -> dict[str, str]:
-    """diffattn tensor name -> Hugging Face tensor name for every stored tensor of ``config``."""
-    names = {"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    for i in range(config.n_layers):
-        for ours, theirs in _LAYER_KEYS.items():
-            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
-        if config.attention == "diff_v1":
-            for name in LAMBDA_NAMES:
-                names[f"layers.{i}.attn.{name}"] = f"model.layers.{i}.self_attn.{name}"
-    if not config.tie_embeddings:
-        names["lm_head.weight"] = "lm_head.weight"
-    return names
+    """diffattn tensor name -> Hugging Face tensor name for every stored tensor of ``config``
+    (those of ``DiffTransformerLM(config)``: a type's own, DIFF V1's λ vectors, come along)."""
+    return {ours: _hf_name(ours) for ours in meta_state(config)}
+
+
+def check_hf_format(config: ModelConfig, target: str) -> None:
+    """Refuse, in one ``ValueError`` naming the attention type and the formats it converts to,
+    a model whose layers ``--to target`` cannot write: every layer's type must declare
+    ``target`` as its Hugging Face format (``AttentionType.hf_format``)."""
+    types = config.attention_types
+    if all(declaration.hf_format == target for declaration in types):
+        return
+    if config.is_mixed:
+        raise ValueError(
+            f"--to {target} writes one Hugging Face architecture for every layer; this model "
+            f"mixes the attention types {', '.join(d.name for d in types)} "
+            f"(layer_types={','.join(config.layer_types)}), which converts with --to hub only"
+        )
+    declaration = types[0]
+    formats = [f"--to {name}" for name in (declaration.hf_format, "hub") if name is not None]
+    raise ValueError(
+        f"--to {target} cannot write attention type {declaration.name!r}"
+        + ("" if declaration.hf_format else ", which has no Hugging Face counterpart")
+        + f"; it converts with {' or '.join(formats)}"
+    )
 
 
 def meta_state(config: ModelConfig) -> dict[str, torch.Tensor]:

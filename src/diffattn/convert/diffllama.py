@@ -52,20 +52,13 @@ def diffllama_config_to_diffattn(hf_config, source: str = "config.json") -> Mode
 
 
 def diffattn_config_to_diffllama(config: ModelConfig, ids: dict | None = None):
-    """The HF ``DiffLlamaConfig`` equivalent to a diffattn DIFF V1 config.
+    """The HF ``DiffLlamaConfig`` equivalent to a diffattn DIFF V1 config (a model whose
+    attention type declares ``hf_format = "hf-diffllama"``).
 
     Raises ``ValueError`` naming the field when the model computes something DiffLlama cannot.
     """
     transformers = common.require_transformers()
-    if config.attention != "diff_v1":
-        raise ValueError(
-            f"--to hf-diffllama needs a diffattn DIFF V1 model, got attention={config.attention!r}"
-            + (
-                "; baseline models convert with --to hf-llama"
-                if config.attention == "baseline"
-                else "; DIFF V2 has no Hugging Face counterpart"
-            )
-        )
+    common.check_hf_format(config, "hf-diffllama")
     if config.lambda_init != "exp":
         raise ValueError(
             f"ModelConfig.lambda_init={config.lambda_init!r}: HF DiffLlama always uses the "
@@ -124,7 +117,8 @@ def diffattn_state_to_diffllama(
             o = prefix + "o_proj.weight"
             scale = weight.float().repeat(config.n_heads // 2)
             state[o] = (state[o].float() * scale[None, :]).to(state[o].dtype)
-    return common.diffattn_state_to_hf(state, config)
+    # folded: the tensors are those of the same model without a learnable head-norm weight
+    return common.diffattn_state_to_hf(state, config.replace(head_norm_learnable=False))
 
 
 DIFFLLAMA = common.HFFamily(

@@ -26,17 +26,10 @@ def llama_config_to_diffattn(hf_config, source: str = "config.json") -> ModelCon
 
 
 def diffattn_config_to_llama(config: ModelConfig, ids: dict | None = None):
-    """The HF ``LlamaConfig`` equivalent to a diffattn baseline config (``rope_style`` aside)."""
+    """The HF ``LlamaConfig`` equivalent to a diffattn baseline config (``rope_style`` aside):
+    a model whose attention type declares ``hf_format = "hf-llama"``."""
     transformers = common.require_transformers()
-    if config.attention != "baseline":
-        raise ValueError(
-            f"--to hf-llama needs a diffattn baseline model, got attention={config.attention!r}"
-            + (
-                "; DIFF V1 models convert with --to hf-diffllama"
-                if config.attention == "diff_v1"
-                else "; DIFF V2 has no Hugging Face counterpart"
-            )
-        )
+    common.check_hf_format(config, "hf-llama")
     if config.d_model % config.n_heads:
         raise ValueError(
             f"ModelConfig.d_model={config.d_model} is not divisible by n_heads={config.n_heads}, "
