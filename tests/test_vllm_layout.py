@@ -1,25 +1,34 @@
 """The layouts that put each attention type on one stock paged-attention call (vLLM's), checked
-without vLLM: one plain causal GQA softmax call over the layout's heads, then the combine step,
-equals diffattn's own attention module, for every type, GQA and MHA, odd lengths and the
-ablations; and the cache it implies is the least the model needs."""
+without vLLM: the type's queries, one plain causal GQA softmax call over the layout's heads, then
+the type's combine step, equal diffattn's own attention module, for every type, GQA and MHA, odd
+lengths and the ablations, on tensor-parallel ranks, and for each layer of a stack of mixed
+types; the cache it implies is the least the model needs; a type without a layout is refused
+with its declared reason."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from diffattn import DiffTransformerLM
+from diffattn.attention.baseline import Baseline, BaselineAttention
 from diffattn.attention.common import project_qkv
+from diffattn.attention.diff_v1 import DIFF_V1
 from diffattn.attention.mask import AttentionMask
+from diffattn.attention.types import (
+    AttentionType,
+    register_attention_type,
+    unregister_attention_type,
+)
 from diffattn.vllm_plugin.layout import (
     attention_layout,
+    attention_layouts,
     head_size_problem,
     ideal_kv_cache_bytes_per_token,
-    v1_combine,
-    v1_padded_queries,
-    v2_combine,
+    kv_cache_bytes_per_token,
 )
 from helpers import tiny_config
 
@@ -47,38 +56,32 @@ def token_major(x: torch.Tensor) -> torch.Tensor:
     return x[0].transpose(0, 1).reshape(x.shape[2], -1)
 
 
-def through_layout(attn, x, rope):
-    """One layer's attention output by the vLLM layout (``DiffAttnAttention.forward``'s
-    arithmetic, with :func:`stock_attention` in place of vLLM's kernel)."""
-    config = attn.config
-    layout = attention_layout(config)
-    d = config.dim_per_head
-    if config.attention == "diff_v1":
-        q, k, v = project_qkv(attn, x, rope, None, 2 * d)
-        queries = v1_padded_queries(token_major(q), d)
-        out = stock_attention(queries, token_major(k), token_major(v), layout)
-        norm = attn.head_norm
-        out = v1_combine(
-            out,
-            attn.lambda_full(),
-            d,
-            None if norm is None else norm.weight,
-            None if norm is None else norm.eps,
-            attn.lambda_init,
-        )
-    else:
-        q, k, v = project_qkv(attn, x, rope, None, d)
-        out = stock_attention(token_major(q), token_major(k), token_major(v), layout)
-        if config.attention == "diff_v2":
-            out = v2_combine(out, v2_lambda(attn, x), d, config.v2_paired_heads)
-    return attn.o_proj(out)
+def rank_part(tensor: torch.Tensor, dim: int | None, rank: int, tp_size: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous part of ``tensor`` along ``dim`` (all of it for ``None``)."""
+    return tensor if dim is None else tensor.chunk(tp_size, dim)[rank]
 
 
-def v2_lambda(attn, x):
-    if attn.lambda_proj is None:
-        return None
-    lam = attn.lambda_proj(x[0])
-    return torch.sigmoid(lam) if attn.config.v2_lambda_sigmoid else lam
+def through_layout(attn, x, rope, tp_size: int = 1):
+    """One layer's attention output by the vLLM layout of its own type, as
+    ``DiffAttnAttention.forward`` computes it on each of ``tp_size`` ranks (q, k, v heads in
+    contiguous parts, as vLLM's ``QKVParallelLinear`` splits them, the type's weights cut by
+    their ``split_dim``), with :func:`stock_attention` in place of vLLM's kernel; the ranks'
+    outputs joined before W_O (``RowParallelLinear`` sums their products, the same thing)."""
+    config, layer = attn.config, attn.layer_index
+    declaration = config.type_of_layer(layer)
+    layout = attention_layout(config, layer, tp_size)
+    q, k, v = (token_major(t) for t in project_qkv(attn, x, rope, None, attn.head_dim))
+    specs = declaration.vllm_weights(config, layer)
+    outputs = []
+    for rank in range(tp_size):
+        q_r, k_r, v_r = (t.chunk(tp_size, -1)[rank] for t in (q, k, v))
+        out = stock_attention(declaration.vllm_queries(config, q_r), k_r, v_r, layout)
+        weights = {
+            name: rank_part(attn.get_parameter(name), spec.split_dim, rank, tp_size)
+            for name, spec in specs.items()
+        }
+        outputs.append(declaration.vllm_output(config, layer, out, x[0], weights))
+    return attn.o_proj(torch.cat(outputs, dim=-1))
 
 
 CASES = [
@@ -96,63 +99,161 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("length", [1, 7, 129])
-@pytest.mark.parametrize(("attention", "overrides"), CASES)
-def test_layout_equals_diffattn_attention(attention, overrides, length):
+def perturbed(config) -> DiffTransformerLM:
+    """A model of ``config`` with every weight moved off its init (λ vectors, norms)."""
     torch.manual_seed(0)
-    model = DiffTransformerLM(tiny_config(attention, **overrides)).eval()
+    model = DiffTransformerLM(config).eval()
     with torch.no_grad():
-        for p in model.parameters():  # λ vectors and norms away from their init values
+        for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-        attn = model.layers[1].attn
+    return model
+
+
+def layer_output(model, layer: int, length: int, tp_size: int = 1):
+    """``(through the layout, diffattn's own)`` output of layer ``layer``'s attention."""
+    with torch.no_grad():
+        attn = model.layers[layer].attn
         x = torch.randn(1, length, model.config.d_model)
         rope = model.rotary(torch.arange(length)[None])
         expected, _ = attn(x, rope, AttentionMask(query_offset=0))
-        got = through_layout(attn, x, rope)
-    torch.testing.assert_close(got, expected[0], rtol=TOL, atol=TOL)
+        return through_layout(attn, x, rope, tp_size), expected[0]
+
+
+@pytest.mark.parametrize("length", [1, 7, 129])
+@pytest.mark.parametrize(("attention", "overrides"), CASES)
+def test_layout_equals_diffattn_attention(attention, overrides, length):
+    model = perturbed(tiny_config(attention, **overrides))
+    got, expected = layer_output(model, 1, length)
+    torch.testing.assert_close(got, expected, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize(
+    ("attention", "overrides"),
+    [
+        ("baseline", {}),
+        ("diff_v1", {}),
+        ("diff_v1", {"head_norm_learnable": False}),
+        ("diff_v2", {}),
+        ("diff_v2", {"v2_use_lambda": False}),
+    ],
+)
+def test_tensor_parallel_ranks_together_equal_the_layer(attention, overrides):
+    """Two ranks, each with its part of the heads and of the type's weights (W_λ's rows for
+    DIFF V2, whole λ vectors and norm weight for DIFF V1), give the layer's output."""
+    model = perturbed(tiny_config(attention, n_kv_heads=4, **overrides))
+    got, expected = layer_output(model, 1, 9, tp_size=2)
+    torch.testing.assert_close(got, expected, rtol=TOL, atol=TOL)
+
+
+MIXED = "diff_v1,baseline,diff_v2,diff_v1"
+
+
+def test_each_layer_of_a_mixed_stack_is_served_by_its_own_type():
+    """A stack of mixed types: each layer gets its own call (its heads and width), and the
+    model whose attention runs through the layouts gives diffattn's logits."""
+    config = tiny_config(n_layers=4, layer_types=MIXED)
+    layouts = attention_layouts(config)
+    calls = [(layout.num_heads, layout.num_kv_heads, layout.head_size) for layout in layouts]
+    assert calls == [(4, 1, 32), (4, 2, 16), (8, 2, 16), (4, 1, 32)]
+    model = perturbed(config)
+    for layer in range(config.n_layers):
+        got, expected = layer_output(model, layer, 7)
+        torch.testing.assert_close(got, expected, rtol=TOL, atol=TOL)
+    ids = torch.randint(0, config.vocab_size, (1, 11))
+    with torch.no_grad():
+        expected = model(ids).logits
+        for block in model.layers:
+
+            def served(x, rope, mask, need_weights=False, cache=None, attn=block.attn):
+                return through_layout(attn, x, rope)[None], None
+
+            block.attn.forward = served
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_v1_padded_queries_put_each_map_on_its_key_half():
     q = torch.arange(2 * 2 * 2 * 3, dtype=torch.float32).view(2, 2 * 2 * 3)  # T=2, H=2, d=3
-    padded = v1_padded_queries(q, 3).view(2, 4, 6)
+    padded = DIFF_V1.vllm_queries(SimpleNamespace(dim_per_head=3), q).view(2, 4, 6)
     pairs = q.view(2, 2, 2, 3)
     assert torch.equal(padded[:, 0::2, :3], pairs[:, :, 0])
     assert torch.equal(padded[:, 1::2, 3:], pairs[:, :, 1])
     assert not padded[:, 0::2, 3:].any() and not padded[:, 1::2, :3].any()
 
 
-@pytest.mark.parametrize("attention", ["baseline", "diff_v1", "diff_v2"])
+@pytest.mark.parametrize("layer_types", ["baseline", "diff_v1", "diff_v2", "diff_v1,baseline"])
 @pytest.mark.parametrize("n_kv_heads", [2, 4])
-def test_cache_is_the_least_the_model_needs_and_the_baselines(attention, n_kv_heads):
-    config = tiny_config(attention, n_kv_heads=n_kv_heads)
+def test_cache_is_the_least_the_model_needs_and_the_baselines(layer_types, n_kv_heads):
+    config = tiny_config(layer_types=layer_types, n_kv_heads=n_kv_heads)
     baseline = tiny_config("baseline", n_kv_heads=n_kv_heads)
     for element_bytes in (2, 4):
-        stored = attention_layout(config).kv_cache_bytes_per_token(config.n_layers, element_bytes)
+        stored = kv_cache_bytes_per_token(config, element_bytes)
         assert stored == ideal_kv_cache_bytes_per_token(config, element_bytes)
         assert stored == ideal_kv_cache_bytes_per_token(baseline, element_bytes)
 
 
 def test_layout_sizes_and_scale():
-    v1 = attention_layout(tiny_config("diff_v1", n_heads=8, n_kv_heads=4, head_dim=16))
+    v1 = attention_layout(tiny_config("diff_v1", n_heads=8, n_kv_heads=4, head_dim=16), 0)
     assert (v1.num_heads, v1.num_kv_heads, v1.head_size) == (8, 2, 32)
     assert math.isclose(v1.scale, 16**-0.5)  # the scale of width d, not of the call's 2d
-    v2 = attention_layout(tiny_config("diff_v2"))
+    v2 = attention_layout(tiny_config("diff_v2"), 1)
     assert (v2.num_heads, v2.num_kv_heads, v2.head_size) == (8, 2, 16)
-    tp = attention_layout(tiny_config("diff_v1", n_heads=8, n_kv_heads=4), tp_size=2)
+    tp = attention_layout(tiny_config("diff_v1", n_heads=8, n_kv_heads=4), 0, tp_size=2)
     assert (tp.num_heads, tp.num_kv_heads) == (4, 1)
 
 
 @pytest.mark.parametrize(
-    ("attention", "tp_size", "message"),
+    ("attention", "overrides", "tp_size", "message"),
     [
-        ("diff_v1", 2, "must divide the 1 DIFF V1 KV groups"),
-        ("baseline", 4, "must divide the 2 KV heads"),
-        ("baseline", 0, "must divide"),
+        ("diff_v1", {}, 2, "must divide the 1 DIFF V1 KV groups"),
+        ("baseline", {}, 4, "must divide the 2 KV heads"),
+        ("baseline", {}, 0, "must divide"),
+        ("diff_v2", {"v2_paired_heads": False}, 2, "unpaired DIFF V2 ablation"),
     ],
 )
-def test_tensor_parallel_sizes_that_split_a_group_are_refused(attention, tp_size, message):
+def test_tensor_parallel_sizes_that_split_a_group_are_refused(
+    attention, overrides, tp_size, message
+):
     with pytest.raises(ValueError, match=message):
-        attention_layout(tiny_config(attention), tp_size=tp_size)
+        attention_layout(tiny_config(attention, **overrides), 0, tp_size=tp_size)
+
+
+def test_a_mixed_stack_is_refused_by_the_layer_that_splits():
+    config = tiny_config(layer_types="baseline,diff_v1", n_kv_heads=2)
+    attention_layout(config, 0, tp_size=2)
+    with pytest.raises(ValueError, match="must divide the 1 DIFF V1 KV groups"):
+        attention_layouts(config, tp_size=2)
+
+
+class Unserved(Baseline):
+    """The baseline's computation under another name, with no ``vllm_reason`` of its own:
+    not inherited, so vLLM refuses it."""
+
+    name = "unserved_toy"
+    module = BaselineAttention
+
+
+@pytest.fixture
+def unserved():
+    register_attention_type(Unserved())
+    yield "unserved_toy"
+    unregister_attention_type("unserved_toy")
+
+
+def test_a_type_without_a_vllm_layout_is_refused_with_its_reason(unserved):
+    from diffattn.vllm_plugin import unservable_reason
+
+    assert Unserved.vllm_reason == AttentionType.vllm_reason is not None
+    config = tiny_config(layer_types=f"baseline,{unserved}")
+    reason = (
+        f"vLLM cannot serve attention type {unserved!r}: no vLLM attention layout is declared "
+        "for this type"
+    )
+    assert unservable_reason(config) == reason  # before vLLM is imported: it is not needed
+    attention_layout(config, 0)
+    with pytest.raises(ValueError) as error:
+        attention_layout(config, 1)
+    assert str(error.value) == reason
 
 
 class FakeBackend:
@@ -170,11 +271,12 @@ class FakeBackend:
 
 
 def test_head_size_problem_names_the_width_the_call_runs_at():
-    v1 = tiny_config("diff_v1")  # d = 16: the call runs at 32
-    assert head_size_problem(v1, attention_layout(v1), FakeBackend) is None
-    base = tiny_config("baseline")
-    problem = head_size_problem(base, attention_layout(base), FakeBackend)
+    mixed = tiny_config(layer_types="diff_v1,baseline")  # d = 16: DIFF V1's call runs at 32
+    layouts = attention_layouts(mixed)
+    assert head_size_problem(mixed, 0, layouts[0], FakeBackend) is None
+    problem = head_size_problem(mixed, 1, layouts[1], FakeBackend)
     assert problem == (
-        "vLLM's CPU_ATTN attention backend cannot serve this baseline model: its attention "
-        "heads have width head_dim = 16, and the backend supports head sizes 32, 64"
+        "vLLM's CPU_ATTN attention backend cannot serve the baseline attention of this model: "
+        "its attention heads have width head_dim = 16, and the backend supports head sizes "
+        "32, 64"
     )

@@ -13,14 +13,24 @@ two agree.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
 from diffattn.attention.common import ProjectedAttention, with_maps
 from diffattn.attention.kernels import differential_attention
-from diffattn.attention.types import AttentionType, CacheLayout, register_attention_type
+from diffattn.attention.types import (
+    AttentionType,
+    CacheLayout,
+    ServedWeight,
+    register_attention_type,
+)
 from diffattn.config import ModelConfig
 from diffattn.layers import RMSNorm, local_share, memo_by_version
+
+LAMBDA_VECTORS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+"""Eq.2's re-parameterisation of λ: four vectors of width d per layer."""
 
 
 def reparameterised_lambda(module: nn.Module) -> torch.Tensor:
@@ -184,6 +194,42 @@ class DiffV1(AttentionType):
         """Each differential head's (q1, q2) as two query heads zero-padded to 2d, against
         its group's K1/K2 and V of width 2d (:func:`diffattn.vllm_plugin.layout`)."""
         return config.n_heads, config.num_kv_heads // 2, 2 * config.dim_per_head
+
+    def vllm_weights(self, config, layer_index: int) -> dict[str, ServedWeight]:
+        d = config.dim_per_head
+        weights = {name: ServedWeight((d,)) for name in LAMBDA_VECTORS}
+        if config.head_norm and config.head_norm_learnable:
+            weights["head_norm.weight"] = ServedWeight((2 * d,))
+        return weights
+
+    def vllm_queries(self, config, q):
+        """Query head 2j is ``[q1_j | 0]``, head 2j+1 is ``[0 | q2_j]``: against a group's
+        key ``[K1 | K2]`` (how ``k_proj`` lays the pair out) their products are exactly
+        ``q1·K1`` and ``q2·K2``, since a product with an exact zero adds an exact zero."""
+        d, tokens = config.dim_per_head, q.shape[0]
+        pairs = q.view(tokens, -1, 2, d)
+        padded = q.new_zeros(tokens, pairs.shape[1], 2, 2 * d)
+        padded[:, :, 0, :d] = pairs[:, :, 0]
+        padded[:, :, 1, d:] = pairs[:, :, 1]
+        return padded.view(tokens, -1)
+
+    def vllm_output(self, config, layer_index: int, out, x, weights):
+        """Eq.1 and Eq.3 on the call's output ``(T, 2H·2d)``: ``o1 − λ·o2`` per differential
+        head in fp32 with λ by Eq.2, then (``head_norm``) RMSNorm over 2d × (1 − λ_init), each
+        step rounded to ``out``'s dtype where :class:`DiffAttentionV1` rounds; ``(T, H·2d)``."""
+        lambda_init = config.lambda_init_for_layer(layer_index)
+        vectors = {name: weights[name] for name in LAMBDA_VECTORS}
+        lam = reparameterised_lambda(SimpleNamespace(lambda_init=lambda_init, **vectors))
+        d, tokens = config.dim_per_head, out.shape[0]
+        pairs = out.view(tokens, -1, 2, 2 * d).float()
+        diff = (pairs[:, :, 0] - lam * pairs[:, :, 1]).to(out.dtype)
+        if config.head_norm:
+            y = diff.float()
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + config.head_norm_eps)
+            if "head_norm.weight" in weights:
+                y = y * weights["head_norm.weight"].float()
+            diff = y.to(out.dtype) * (1.0 - lambda_init)
+        return diff.reshape(tokens, -1)
 
     def tp_plan(self, config, colwise, replicated):
         return {"": replicated(stream=False)}  # λ replicated, after its projections

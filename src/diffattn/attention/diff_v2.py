@@ -18,7 +18,7 @@ from torch import nn
 
 from diffattn.attention.common import ProjectedAttention, with_maps
 from diffattn.attention.kernels import differential_attention_v2
-from diffattn.attention.types import AttentionType, register_attention_type
+from diffattn.attention.types import AttentionType, ServedWeight, register_attention_type
 from diffattn.config import ModelConfig
 
 
@@ -96,6 +96,28 @@ class DiffV2(AttentionType):
 
     def tp_plan(self, config, colwise, replicated):
         return {"lambda_proj": colwise()} if config.v2_use_lambda else {}  # λ_i by its pair
+
+    def vllm_weights(self, config, layer_index: int) -> dict[str, ServedWeight]:
+        if not config.v2_use_lambda:
+            return {}
+        return {"lambda_proj.weight": ServedWeight((config.n_heads, config.d_model), split_dim=0)}
+
+    def vllm_output(self, config, layer_index: int, out, x, weights):
+        """``o_2i − λ_i·o_2i+1`` on the call's output ``(T, 2H·d)`` → ``(T, H·d)``, with
+        λ = sigmoid(x W_λ) of this rank's heads; the ablations: pairs (i, i+H), no λ
+        (``o1 − o2``), the projection without sigmoid."""
+        d, tokens = config.dim_per_head, out.shape[0]
+        heads = out.view(tokens, -1, d)
+        if config.v2_paired_heads:
+            o1, o2 = heads[:, 0::2], heads[:, 1::2]
+        else:
+            o1, o2 = heads.chunk(2, dim=1)
+        if "lambda_proj.weight" not in weights:
+            return (o1 - o2).reshape(tokens, -1)
+        lam = nn.functional.linear(x, weights["lambda_proj.weight"])
+        if config.v2_lambda_sigmoid:
+            lam = torch.sigmoid(lam)
+        return (o1 - lam.unsqueeze(-1) * o2).reshape(tokens, -1)
 
     def describe(self, config) -> str:
         d = config.dim_per_head

@@ -103,6 +103,18 @@ class CacheLayout:
         return self.key_heads * self.key_width + self.value_heads * self.value_width
 
 
+@dataclass(frozen=True)
+class ServedWeight:
+    """A tensor of one layer's attention beyond W_Q, W_K, W_V and W_O that a serving engine
+    reads from the checkpoint (:meth:`AttentionType.vllm_weights`), named as under
+    ``layers.i.attn`` (``lambda_q1``, ``lambda_proj.weight``)."""
+
+    shape: tuple[int, ...]
+    split_dim: int | None = None
+    """The dimension tensor parallelism cuts into equal contiguous parts, one per rank, in the
+    order of the ranks' heads (W_λ's rows), or ``None``: every rank holds all of it."""
+
+
 class AttentionType:
     """The declaration of one attention type. Subclass it, set the class attributes, override
     what differs from the baseline's softmax attention, and register an instance.
@@ -246,6 +258,23 @@ class AttentionType:
         """The stock paged-attention call serving a layer, before tensor parallelism:
         ``(query heads, KV heads, head size)``."""
         return self.query_heads(config), config.num_kv_heads, config.dim_per_head
+
+    def vllm_weights(self, config, layer_index: int) -> dict[str, ServedWeight]:
+        """The tensors of layer ``layer_index``'s attention beyond W_Q, W_K, W_V and W_O that
+        the served layer reads from the checkpoint (:class:`ServedWeight`: λ's vectors, W_λ)."""
+        return {}
+
+    def vllm_queries(self, config, q):
+        """The call's queries ``(T, heads·head size)`` on one rank, from ``q_proj``'s queries
+        of width d after RoPE, ``(T, query heads·d)``."""
+        return q
+
+    def vllm_output(self, config, layer_index: int, out, x, weights):
+        """W_O's input ``(T, n_heads·d / tp)`` on one rank, from the call's output ``out``
+        ``(T, heads·head size)``, the layer's input ``x`` ``(T, d_model)`` and this rank's
+        parts of :meth:`vllm_weights` (``{name: tensor}``); rounded where the type's module
+        rounds, so the served model computes what diffattn computes."""
+        return out
 
     # --- initialisation -------------------------------------------------------------------
     def lambda_init(self, config, layer_index: int) -> float | None:

@@ -145,19 +145,15 @@ def tensor_parallel_size(engine_args: tuple[str, ...]) -> int:
 
 
 def check_tensor_parallel(config, engine_args: tuple[str, ...]) -> None:
-    """A tensor-parallel size that splits a KV group (a DIFF V1 (K1, K2) pair) is one line
-    here, not an engine that fails while starting."""
-    from diffattn.vllm_plugin.layout import attention_layout
+    """A tensor-parallel size that splits a KV unit of some layer (a DIFF V1 (K1, K2) pair) or
+    a layer whose type cannot be split is one line here, not an engine that fails while
+    starting."""
+    from diffattn.vllm_plugin.layout import attention_layouts
 
-    size = tensor_parallel_size(engine_args)
     try:
-        attention_layout(config, size)
+        attention_layouts(config, tensor_parallel_size(engine_args))
     except ValueError as error:
         raise ValueError(f"--vllm-args: {error}") from None
-    for declaration in config.attention_types:
-        problem = declaration.tp_problem(config, size) if size > 1 else None
-        if problem is not None:
-            raise ValueError(f"--vllm-args: {problem}; serve it with --tensor-parallel-size 1")
 
 
 def vllm_argv(options: ServeOptions, directory: Path | str, dtype: str) -> list[str]:

@@ -26,26 +26,39 @@ def register() -> None:
 
 def unservable_reason(config, dtype: str = "auto") -> str | None:
     """Why vLLM, as installed here, cannot serve a diffattn model of ``config`` (a
-    :class:`~diffattn.config.ModelConfig`), or ``None``. Asks vLLM's attention-backend selector
-    for this platform which backend would run the model's attention call (width 2·head_dim
-    for DIFF V1, head_dim otherwise) and whether it takes that head size, so the answer comes
-    before an engine starts rather than from inside one."""
+    :class:`~diffattn.config.ModelConfig`), or ``None``: a layer whose attention type declares
+    no vLLM layout (its ``vllm_reason``, in one line), or a layer whose call's head size
+    (2·head_dim for DIFF V1, head_dim otherwise) the attention backend vLLM's selector picks
+    for this platform does not take. The answer comes before an engine starts rather than from
+    inside one."""
+    for declaration in config.attention_types:
+        if declaration.vllm_reason is not None:
+            return (
+                f"vLLM cannot serve attention type {declaration.name!r}: {declaration.vllm_reason}"
+            )
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.v1.attention.selector import get_attn_backend
 
-    from diffattn.vllm_plugin.layout import attention_layout, head_size_problem
+    from diffattn.vllm_plugin.layout import attention_layouts, head_size_problem
 
-    layout = attention_layout(config)
     torch_dtype = {
         "auto": torch.float32,
         "float32": torch.float32,
         "bfloat16": torch.bfloat16,
         "float16": torch.float16,
     }[dtype]
-    try:
-        with set_current_vllm_config(VllmConfig()):
-            backend = get_attn_backend(layout.head_size, torch_dtype, "auto")
-    except (ValueError, RuntimeError, NotImplementedError) as error:
-        return f"vLLM has no attention backend for head size {layout.head_size}: {error}"
-    return head_size_problem(config, layout, backend)
+    checked: set[int] = set()
+    for layer_index, layout in enumerate(attention_layouts(config)):
+        if layout.head_size in checked:
+            continue
+        checked.add(layout.head_size)
+        try:
+            with set_current_vllm_config(VllmConfig()):
+                backend = get_attn_backend(layout.head_size, torch_dtype, "auto")
+        except (ValueError, RuntimeError, NotImplementedError) as error:
+            return f"vLLM has no attention backend for head size {layout.head_size}: {error}"
+        problem = head_size_problem(config, layer_index, layout, backend)
+        if problem is not None:
+            return problem
+    return None

@@ -1,17 +1,19 @@
-"""``DiffAttnForCausalLM`` for vLLM: diffattn checkpoints (baseline, DIFF V1, DIFF V2) on vLLM's
-paged KV cache, continuous batching, prefix caching and chunked prefill.
+"""``DiffAttnForCausalLM`` for vLLM: diffattn checkpoints on vLLM's paged KV cache, continuous
+batching, prefix caching and chunked prefill, for every attention type whose declaration gives
+a vLLM layout (baseline, DIFF V1, DIFF V2), each layer of its own type.
 
 Built from vLLM's own layers: ``VocabParallelEmbedding``, ``QKVParallelLinear`` (q, k, v of
 width d as the checkpoint stores them), its rotary embedding (rotate-half or interleaved as
 ``rope_style`` says), ``Attention`` over the paged cache, ``RMSNorm``, the SwiGLU's
 ``MergedColumnParallelLinear`` + ``SiluAndMul`` + ``RowParallelLinear``, ``ParallelLMHead`` and
-``LogitsProcessor``. How each attention type becomes one stock attention call is
-:mod:`diffattn.vllm_plugin.layout`; the arithmetic after the call (DIFF V1 Eq. 1 and 3, DIFF V2's
-``o1 − λ·o2``) is the same as diffattn's forward, rounded at the same places.
+``LogitsProcessor``. How each layer's type becomes one stock attention call is
+:mod:`diffattn.vllm_plugin.layout`; the arithmetic around the call (DIFF V1's padded queries,
+Eq. 1 and 3, DIFF V2's ``o1 − λ·o2``) is its declaration's ``vllm_queries`` and
+``vllm_output``, the same as diffattn's forward, rounded at the same places.
 
 The weights are read from the checkpoint's safetensors under the names diffattn writes
-(``model.layers.{i}.attn.q_proj.weight``, ...); a missing or unexpected tensor is an error
-naming it.
+(``model.layers.{i}.attn.q_proj.weight``, ...; a type's own tensors under the names its
+``vllm_weights`` gives); a missing or unexpected tensor is an error naming it.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -38,18 +42,12 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.utils import set_weight_attrs
 from vllm.sequence import IntermediateTensors
 
+from diffattn.attention.types import ServedWeight
 from diffattn.config import ModelConfig
-from diffattn.vllm_plugin.layout import (
-    attention_layout,
-    head_size_problem,
-    v1_combine,
-    v1_padded_queries,
-    v2_combine,
-)
-
-LAMBDA_VECTORS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+from diffattn.vllm_plugin.layout import attention_layout, head_size_problem
 
 
 def model_config_of(hf_config) -> ModelConfig:
@@ -63,35 +61,57 @@ def model_config_of(hf_config) -> ModelConfig:
     return to_model_config()
 
 
-def check_head_size(config: ModelConfig, layout, backend) -> None:
+def check_head_size(config: ModelConfig, layer_index: int, layout, backend) -> None:
     """Refuse, before any request, a head width the chosen attention backend cannot run."""
-    problem = head_size_problem(config, layout, backend)
+    problem = head_size_problem(config, layer_index, layout, backend)
     if problem is not None:
         raise ValueError(problem)
 
 
+def served_weight(spec: ServedWeight, tp_rank: int, tp_size: int) -> nn.Parameter:
+    """This rank's part of a :class:`ServedWeight`, with the loader that cuts it out of the
+    checkpoint's whole tensor."""
+    shape = list(spec.shape)
+    if spec.split_dim is not None:
+        shape[spec.split_dim] //= tp_size
+    param = nn.Parameter(torch.empty(shape), requires_grad=False)
+
+    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if spec.split_dim is not None:
+            size = param.shape[spec.split_dim]
+            loaded = loaded.narrow(spec.split_dim, tp_rank * size, size)
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"expected a tensor of shape {tuple(spec.shape)}, got {loaded.shape}")
+        param.data.copy_(loaded)
+
+    set_weight_attrs(param, {"weight_loader": load})
+    return param
+
+
 class DiffAttnAttention(nn.Module):
-    """One attention layer of any type over vLLM's paged cache (layouts: ``layout.py``)."""
+    """One attention layer over vLLM's paged cache, of the layer's own type: the call its
+    declaration gives (``layout.py``), its queries before and its combine step after it."""
 
     def __init__(self, config: ModelConfig, layer_index: int, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
-        self.kind = config.attention
+        self.declaration = config.type_of_layer(layer_index)
         self.config = config
+        self.layer_index = layer_index
         d = config.dim_per_head
-        self.head_dim = d
-        layout = attention_layout(config, tp_size)
+        layout = attention_layout(config, layer_index, tp_size)
         self.layout = layout
+        query_heads = self.declaration.query_heads(config)
         self.qkv_proj = QKVParallelLinear(
             config.d_model,
             d,
-            config.n_query_heads,
+            query_heads,
             config.num_kv_heads,
             bias=False,
             quant_config=vllm_config.quant_config,
             prefix=f"{prefix}.qkv_proj",
         )
-        self.q_size = config.n_query_heads // tp_size * d
+        self.q_size = query_heads // tp_size * d
         self.kv_size = config.num_kv_heads // tp_size * d
         self.o_proj = RowParallelLinear(
             config.n_heads * d,
@@ -116,65 +136,41 @@ class DiffAttnAttention(nn.Module):
             quant_config=vllm_config.quant_config,
             prefix=f"{prefix}.attn",
         )
-        check_head_size(config, layout, self.attn.attn_backend)
-        if self.kind == "diff_v1":
-            self.lambda_init = config.lambda_init_for_layer(layer_index)
-            for name in LAMBDA_VECTORS:
-                self.register_parameter(name, nn.Parameter(torch.empty(d), requires_grad=False))
-            self.head_norm_eps = config.head_norm_eps if config.head_norm else None
-            if config.head_norm and config.head_norm_learnable:
-                self.head_norm_weight = nn.Parameter(torch.empty(2 * d), requires_grad=False)
-            else:
-                self.head_norm_weight = None
-        if self.kind == "diff_v2" and not config.v2_paired_heads and tp_size > 1:
-            raise ValueError(
-                "the unpaired DIFF V2 ablation (v2_paired_heads=False) subtracts heads that "
-                "tensor parallelism places on different ranks; serve it with "
-                "tensor_parallel_size=1"
-            )
-        if self.kind == "diff_v2" and config.v2_use_lambda:
-            self.lambda_proj = ColumnParallelLinear(
-                config.d_model,
-                config.n_heads,
-                bias=False,
-                gather_output=False,
-                quant_config=vllm_config.quant_config,
-                prefix=f"{prefix}.lambda_proj",
-            )
-        else:
-            self.lambda_proj = None
+        check_head_size(config, layer_index, layout, self.attn.attn_backend)
+        self.weight_names = self._add_weights(tp_size)
 
-    def lambda_full(self) -> torch.Tensor:
-        """DIFF V1 Eq. 2 in fp32: exp(λq1·λk1) − exp(λq2·λk2) + λ_init."""
-        dot1 = torch.sum(self.lambda_q1.float() * self.lambda_k1.float())
-        dot2 = torch.sum(self.lambda_q2.float() * self.lambda_k2.float())
-        return torch.exp(dot1) - torch.exp(dot2) + self.lambda_init
+    def _add_weights(self, tp_size: int) -> tuple[str, ...]:
+        """The type's own tensors (``vllm_weights``) as parameters under their checkpoint
+        names (``head_norm.weight`` becomes the parameter ``weight`` of a child ``head_norm``)."""
+        specs = self.declaration.vllm_weights(self.config, self.layer_index)
+        for name, spec in specs.items():
+            *path, leaf = name.split(".")
+            owner: nn.Module = self
+            for part in path:
+                child = getattr(owner, part, None)
+                if child is None:
+                    child = nn.Module()
+                    owner.add_module(part, child)
+                if type(child) is not nn.Module:
+                    owner = None
+                    break
+                owner = child
+            if owner is None or hasattr(owner, leaf):
+                raise ValueError(
+                    f"attention type {self.declaration.name!r} declares a vLLM weight {name!r} "
+                    "that clashes with a module of the served layer; rename it"
+                )
+            rank = get_tensor_model_parallel_rank()
+            owner.register_parameter(leaf, served_weight(spec, rank, tp_size))
+        return tuple(specs)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        d = self.head_dim
-        if self.kind == "diff_v1":
-            out = self.attn(v1_padded_queries(q, d), k, v)
-            out = v1_combine(
-                out,
-                self.lambda_full(),
-                d,
-                self.head_norm_weight,
-                self.head_norm_eps,
-                self.lambda_init,
-            )
-        elif self.kind == "diff_v2":
-            out = self.attn(q, k, v)
-            lam = None
-            if self.lambda_proj is not None:
-                lam, _ = self.lambda_proj(x)
-                if self.config.v2_lambda_sigmoid:
-                    lam = torch.sigmoid(lam)
-            out = v2_combine(out, lam, d, self.config.v2_paired_heads)
-        else:
-            out = self.attn(q, k, v)
+        out = self.attn(self.declaration.vllm_queries(self.config, q), k, v)
+        weights = {name: self.get_parameter(name) for name in self.weight_names}
+        out = self.declaration.vllm_output(self.config, self.layer_index, out, x, weights)
         out, _ = self.o_proj(out)
         return out
 
@@ -277,7 +273,6 @@ class DiffAttnForCausalLM(nn.Module):
                 "ffn.gate_proj.weight": ("gate_up_proj.weight", 0),
                 "ffn.up_proj.weight": ("gate_up_proj.weight", 1),
                 "ffn.down_proj.weight": ("down_proj.weight", None),
-                "attn.head_norm.weight": ("attn.head_norm_weight", None),
             }
             target, shard = stacked.get(rest, (rest, None))
             return f"{prefix}.{target}", shard
@@ -295,8 +290,7 @@ class DiffAttnForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(
-                    f"the checkpoint holds {name!r}, which this {self.config.attention} model "
-                    "has no parameter for"
+                    f"the checkpoint holds {name!r}, which the served model has no parameter for"
                 )
             loader = getattr(param, "weight_loader", default_weight_loader)
             if shard is None:
