@@ -42,6 +42,22 @@ def reparameterised_lambda(module: nn.Module) -> torch.Tensor:
     return torch.exp(dot1) - torch.exp(dot2) + module.lambda_init
 
 
+def add_lambda_and_head_norm(module: nn.Module, config: ModelConfig, d: int) -> None:
+    """Eq.2's re-parameterisation and Eq.3's norm, uninitialised, on ``module``: the four
+    vectors ``lambda_q1``, ``lambda_k1``, ``lambda_q2``, ``lambda_k2`` of width d (λ itself is
+    evaluated in fp32) and ``head_norm``, an RMSNorm over 2d (``None`` without
+    ``config.head_norm``)."""
+    module.lambda_q1 = nn.Parameter(torch.empty(d))
+    module.lambda_k1 = nn.Parameter(torch.empty(d))
+    module.lambda_q2 = nn.Parameter(torch.empty(d))
+    module.lambda_k2 = nn.Parameter(torch.empty(d))
+    module.head_norm = (
+        RMSNorm(2 * d, config.head_norm_eps, learnable=config.head_norm_learnable)
+        if config.head_norm
+        else None
+    )
+
+
 class DiffAttentionV1(ProjectedAttention):
     """Eq.3: ``Concat((1 − λ_init)·RMSNorm(DiffAttn_j(X))) W_O`` with λ from Eq.2."""
 
@@ -54,16 +70,7 @@ class DiffAttentionV1(ProjectedAttention):
         self.n_heads = config.n_heads // 2  # differential heads H
         self.n_kv_heads = config.num_kv_heads // 2  # KV groups H_kv
         self.lambda_init = config.lambda_init_for_layer(layer_index)
-        # Eq.2 re-parameterisation: four vectors of width d, λ itself is evaluated in fp32.
-        self.lambda_q1 = nn.Parameter(torch.empty(d))
-        self.lambda_k1 = nn.Parameter(torch.empty(d))
-        self.lambda_q2 = nn.Parameter(torch.empty(d))
-        self.lambda_k2 = nn.Parameter(torch.empty(d))
-        self.head_norm = (
-            RMSNorm(2 * d, config.head_norm_eps, learnable=config.head_norm_learnable)
-            if config.head_norm
-            else None
-        )
+        add_lambda_and_head_norm(self, config, d)
         self.reset_lambda()
 
     def reset_own_parameters(self, generator: torch.Generator | None = None) -> None:
