@@ -8,7 +8,6 @@ import os
 import sys
 
 import tp_worker
-
 from diffattn import ModelConfig
 
 
