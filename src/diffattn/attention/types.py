@@ -36,6 +36,7 @@ BUILT_IN_MODULES = (
     "diffattn.attention.baseline",
     "diffattn.attention.diff_v1",
     "diffattn.attention.diff_v2",
+    "diffattn.attention.dint",
     "diffattn.attention.gda",
 )
 """The modules that declare the built-in types, imported on the first lookup."""
