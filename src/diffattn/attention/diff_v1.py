@@ -51,11 +51,15 @@ def add_lambda_and_head_norm(module: nn.Module, config: ModelConfig, d: int) -> 
     module.lambda_k1 = nn.Parameter(torch.empty(d))
     module.lambda_q2 = nn.Parameter(torch.empty(d))
     module.lambda_k2 = nn.Parameter(torch.empty(d))
-    module.head_norm = (
-        RMSNorm(2 * d, config.head_norm_eps, learnable=config.head_norm_learnable)
-        if config.head_norm
-        else None
-    )
+    module.head_norm = head_norm_for(config, d)
+
+
+def head_norm_for(config: ModelConfig, d: int) -> RMSNorm | None:
+    """Eq.3's per-head RMSNorm over 2d (one weight shared by all heads with
+    ``config.head_norm_learnable``), or ``None`` without ``config.head_norm``."""
+    if not config.head_norm:
+        return None
+    return RMSNorm(2 * d, config.head_norm_eps, learnable=config.head_norm_learnable)
 
 
 class DiffAttentionV1(ProjectedAttention):

@@ -37,6 +37,7 @@ BUILT_IN_MODULES = (
     "diffattn.attention.diff_v1",
     "diffattn.attention.diff_v2",
     "diffattn.attention.dint",
+    "diffattn.attention.gated_diff",
     "diffattn.attention.gda",
 )
 """The modules that declare the built-in types, imported on the first lookup."""
