@@ -14,6 +14,7 @@ from extras import require_extra
 pytestmark = require_extra("hf")
 
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     DynamicCache,
@@ -120,6 +121,47 @@ def test_config_maps_hf_names_and_validates():
         DiffAttnConfig(d_model=64, n_heads=4, attention="diff_v1").to_model_config().from_dict(
             {"bogus": 1}
         )
+
+
+def test_a_mixed_stack_config_keeps_diffattn_layer_types_and_shows_hf_its_own(tmp_path):
+    """diffattn's per-layer types are what config.json stores under ``layer_types``; Hugging
+    Face's ``layer_types`` (read by its caches and validated against its own names) says full
+    attention per layer; ``num_attention_heads`` is ``n_heads`` when the types count output
+    heads differently, and a stack of one type keeps its count."""
+    config = tiny_config("baseline", layer_types="diff_v1,baseline")
+    hf_config = DiffAttnConfig.from_model_config(config)
+    assert hf_config.layer_types == ["full_attention", "full_attention"]
+    assert hf_config.to_model_config() == config
+    assert hf_config.num_attention_heads == 4
+    hf_config.num_attention_heads = 8
+    assert hf_config.n_heads == 8
+    same = DiffAttnConfig.from_model_config(tiny_config("baseline", layer_types="diff_v1*2"))
+    assert same.num_attention_heads == 2
+    assert DiffAttnConfig.from_model_config(tiny_config("diff_v1")).layer_types is None
+    hf_config.num_attention_heads = 4
+    hf_config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["layer_types"] == [
+        "diff_v1",
+        "baseline",
+    ]
+    assert AutoConfig.from_pretrained(tmp_path).to_model_config() == config
+
+
+def test_a_mixed_stack_decodes_with_hf_caches_and_saves(tmp_path):
+    """Each layer keeps its own cache layout in HF's caches (DIFF V1's values of width 2d
+    split in two, DIFF V2's and the baseline's as they are): decoding token by token gives the
+    full forward's logits."""
+    model = tiny_model("baseline", seed=5, layer_types="diff_v2,diff_v1")
+    hf = DiffAttnForCausalLM.from_diffattn(model).eval()
+    ids = torch.randint(0, VOCAB, (2, 11))
+    full = model(ids).logits
+    for cache in (DynamicCache(), StaticCache(config=hf.config, max_cache_len=16)):
+        steps = [hf(ids[:, :6], use_cache=True, **{CACHE_FIELD: cache}).logits]
+        for t in range(6, 11):
+            steps.append(hf(ids[:, t : t + 1], use_cache=True, **{CACHE_FIELD: cache}).logits)
+        torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    hf.save_pretrained(tmp_path)
+    torch.testing.assert_close(load_model(tmp_path)(ids).logits, full)
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)

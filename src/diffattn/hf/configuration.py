@@ -64,16 +64,19 @@ TOKEN_ID_NAMES = ("pad_token_id", "bos_token_id", "eos_token_id")
 """Special token ids every config states (``None`` when the tokenizer has none)."""
 
 
-def _heads_per_output_head(name: str) -> int:
-    """How many of ``n_heads`` make one of HF's ``num_attention_heads`` for type ``name`` (2
-    for DIFF V1's differential heads); 1 for a name that is not registered, which
-    ``ModelConfig`` then refuses by name."""
+def _heads_per_output_head(attention: str, layer_types: Any) -> int:
+    """How many of ``n_heads`` make one of HF's ``num_attention_heads`` for the stack of
+    ``attention`` and ``layer_types`` (2 for DIFF V1's differential heads): the count its
+    types share, or 1 when they differ (``num_attention_heads`` is then ``n_heads``) or a name
+    is not registered (``ModelConfig`` then refuses it by name)."""
     from diffattn.attention.types import attention_type
 
+    names = set(layer_types) if isinstance(layer_types, list | tuple) and layer_types else set()
     try:
-        return attention_type(name).heads_per_output_head
-    except ValueError:
+        factors = {attention_type(name).heads_per_output_head for name in names or {attention}}
+    except (ValueError, TypeError):
         return 1
+    return factors.pop() if len(factors) == 1 else 1
 
 
 def _translate(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +94,9 @@ def _translate(kwargs: dict[str, Any]) -> dict[str, Any]:
         fields[field] = bool(value) if field == "tie_embeddings" else value
     if "num_attention_heads" in kwargs:
         value = kwargs.pop("num_attention_heads")
-        factor = _heads_per_output_head(fields.get("attention", "baseline"))
+        factor = _heads_per_output_head(
+            fields.get("attention", "baseline"), fields.get("layer_types")
+        )
         n_heads = int(value) * factor
         if "n_heads" in fields and fields["n_heads"] != n_heads:
             raise ValueError(
@@ -152,7 +157,7 @@ class DiffAttnConfig(PretrainedConfig):
             )
         model_config = ModelConfig.from_dict(fields)  # validates; names bad keys and values
         for name in _FIELDS:
-            setattr(self, name, getattr(model_config, name))
+            setattr(self, name, getattr(model_config, name))  # layer_types: see its property
         if self.head_dim is None:  # HF reads head_dim; state it, it is the same model
             self.head_dim = model_config.dim_per_head
         kwargs["tie_word_embeddings"] = model_config.tie_embeddings
@@ -168,13 +173,33 @@ class DiffAttnConfig(PretrainedConfig):
     @property
     def num_attention_heads(self) -> int:
         """Heads whose maps ``output_attentions`` returns: the heads W_O reads (``n_heads``
-        for the baseline and DIFF V2, ``n_heads / 2`` differential heads for DIFF V1)."""
-        return self.to_model_config().n_output_heads
+        for the baseline and DIFF V2, ``n_heads / 2`` differential heads for DIFF V1;
+        ``n_heads`` for a stack whose types count them differently)."""
+        return self.n_heads // _heads_per_output_head(self.attention, self._layer_types)
 
     @num_attention_heads.setter
     def num_attention_heads(self, value: int) -> None:
-        factor = _heads_per_output_head(getattr(self, "attention", "baseline"))
+        factor = _heads_per_output_head(getattr(self, "attention", "baseline"), self._layer_types)
         self.n_heads = int(value) * factor
+
+    @property
+    def layer_types(self) -> list[str] | None:
+        """Hugging Face's ``layer_types``: what its caches and masks read per layer,
+        ``full_attention`` for every layer of a stack of mixed attention types (each is causal
+        attention over the whole cache), ``None`` otherwise. diffattn's own per-layer types
+        (``ModelConfig.layer_types``) are kept beside it and are what ``config.json`` stores
+        under this key (``to_model_config().layer_types`` reads them)."""
+        names = self._layer_types
+        return None if names is None else ["full_attention"] * len(names)
+
+    @layer_types.setter
+    def layer_types(self, value: Any) -> None:
+        """Set diffattn's per-layer attention types (``ModelConfig.layer_types``)."""
+        self.__dict__["layer_types"] = None if value is None else list(value)
+
+    @property
+    def _layer_types(self) -> list[str] | None:
+        return self.__dict__.get("layer_types")
 
     num_key_value_heads = _derived(
         "num_kv_heads",
@@ -188,9 +213,15 @@ class DiffAttnConfig(PretrainedConfig):
     )
     ffn_dim = _derived("ffn_dim", None, "The SwiGLU hidden size (read only).")
 
+    def _field_values(self) -> dict[str, Any]:
+        """The :class:`ModelConfig` fields as stored (``layer_types``: diffattn's names)."""
+        values = {name: getattr(self, name) for name in _FIELDS}
+        values["layer_types"] = self._layer_types
+        return values
+
     def to_model_config(self) -> ModelConfig:
         """The validated :class:`ModelConfig` these settings describe."""
-        return ModelConfig.from_dict({name: getattr(self, name) for name in _FIELDS})
+        return ModelConfig.from_dict(self._field_values())
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, **hf_kwargs: Any) -> DiffAttnConfig:
@@ -201,8 +232,7 @@ class DiffAttnConfig(PretrainedConfig):
 
     def to_diff_dict(self) -> dict[str, Any]:
         data = super().to_diff_dict()
-        for name in _FIELDS:  # always write every model field (see module docstring)
-            data[name] = getattr(self, name)
+        data.update(self._field_values())  # always write every model field (module docstring)
         from diffattn.version import __version__
 
         data["diffattn_version"] = __version__
