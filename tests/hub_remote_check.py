@@ -1,8 +1,10 @@
 """Load a ``convert --to hub`` directory as a user without diffattn would, and report.
 
-``python hub_remote_check.py HUB_DIR OUT_JSON [--block-diffattn]`` runs in any interpreter that
-has torch and transformers. With ``--block-diffattn`` every import of diffattn fails (for an
-interpreter where it is installed); without it diffattn must be absent. It loads the model and
+``python hub_remote_check.py HUB_DIR OUT_JSON [--block-diffattn] [--block NAME]...`` runs in any
+interpreter that has torch and transformers. With ``--block-diffattn`` every import of diffattn
+fails (for an interpreter where it is installed); without it diffattn must be absent. Each
+``--block NAME`` makes the imports of the package ``NAME`` fail too (the package of an attention
+type that the export carries). It loads the model and
 tokenizer with ``trust_remote_code=True``, pads a batch with the tokenizer, and writes to
 OUT_JSON: the logits of one prompt, the padded batch's greedy continuation through ``generate``
 (HF's cache), and the logits again after ``save_pretrained`` and a second load. This file
@@ -11,6 +13,7 @@ imports nothing of diffattn or of the test helpers.
 
 from __future__ import annotations
 
+import argparse
 import importlib.abc
 import importlib.util
 import json
@@ -20,19 +23,22 @@ import tempfile
 PROMPTS = ["w3 w17 w5 w99 w1 w42 w7", "w8 w2"]
 
 
-class _NoDiffattn(importlib.abc.MetaPathFinder):
+class _Blocked(importlib.abc.MetaPathFinder):
+    def __init__(self, packages):
+        self.packages = tuple(packages)
+
     def find_spec(self, name, path, target=None):
-        if name == "diffattn" or name.startswith("diffattn."):
+        if name.split(".")[0] in self.packages:
             raise ModuleNotFoundError(f"No module named {name!r}")
         return None
 
 
-def guard_diffattn(block: bool) -> None:
+def guard_diffattn(block: bool, others=()) -> None:
     """Make every later import of diffattn fail (``block``), or exit when diffattn is
-    importable here."""
-    if block:
-        sys.meta_path.insert(0, _NoDiffattn())
-    elif importlib.util.find_spec("diffattn") is not None:
+    importable here; imports of the packages ``others`` fail as well."""
+    if block or others:
+        sys.meta_path.insert(0, _Blocked((*(["diffattn"] * block), *others)))
+    if not block and importlib.util.find_spec("diffattn") is not None:
         sys.exit("diffattn is installed here; pass --block-diffattn")
 
 
@@ -41,8 +47,8 @@ def diffattn_modules() -> list[str]:
     return sorted(n for n in sys.modules if n == "diffattn" or n.startswith("diffattn."))
 
 
-def main(hub_dir: str, out_json: str, block: bool) -> None:
-    guard_diffattn(block)
+def main(hub_dir: str, out_json: str, block: bool, others=()) -> None:
+    guard_diffattn(block, others)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -72,5 +78,10 @@ def main(hub_dir: str, out_json: str, block: bool) -> None:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--block-diffattn"]
-    main(args[0], args[1], "--block-diffattn" in sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("hub_dir")
+    parser.add_argument("out_json")
+    parser.add_argument("--block-diffattn", action="store_true")
+    parser.add_argument("--block", action="append", default=[], metavar="NAME")
+    options = parser.parse_args()
+    main(options.hub_dir, options.out_json, options.block_diffattn, options.block)

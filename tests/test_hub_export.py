@@ -45,10 +45,14 @@ def run_script(python: str, script: Path, args: list[str], modules: Path) -> Non
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def remote_report(hub: Path, tmp_path: Path, python: str, block: bool) -> dict:
-    """The report of ``hub_remote_check.py`` run by ``python`` in a clean module cache."""
+def remote_report(
+    hub: Path, tmp_path: Path, python: str, block: bool, others: tuple[str, ...] = ()
+) -> dict:
+    """The report of ``hub_remote_check.py`` run by ``python`` in a clean module cache
+    (imports of diffattn blocked with ``block``, of the packages ``others`` always)."""
     out = tmp_path / "report.json"
     args = [str(hub), str(out), *(["--block-diffattn"] * block)]
+    args += [arg for name in others for arg in ("--block", name)]
     run_script(python, CHECK, args, tmp_path / "modules")
     return json.loads(out.read_text())
 
@@ -88,6 +92,160 @@ def test_hub_directory_loads_without_diffattn(attention, tmp_path):
     assert "auto_map" not in config.get("diffattn_extra_attributes", [])
     report = remote_report(hub, tmp_path, sys.executable, block=True)
     check_against_diffattn(src, report)
+
+
+def save_stack(directory: Path, layer_types: str, **overrides) -> Path:
+    """A tiny model whose layers have the types of ``layer_types``, saved with the word
+    tokenizer."""
+    from diffattn.checkpoint import save_model
+    from helpers import tiny_diffattn
+    from serve_helpers import VOCAB
+
+    model = tiny_diffattn(
+        "baseline", vocab_size=VOCAB, max_seq_len=96, layer_types=layer_types, **overrides
+    )
+    return save_model(model, directory, tokenizer=word_tokenizer())
+
+
+def test_a_mixed_stack_loads_without_diffattn(tmp_path):
+    """Each layer of its own type: config.json keeps diffattn's layer_types, Hugging Face's
+    view of them is full attention per layer, and the directory computes diffattn's logits."""
+    src = save_stack(tmp_path / "src", "diff_v1,diff_v2,baseline,diff_v1", n_layers=4)
+    hub = convert(src, tmp_path / "hub", to="hub")
+    config = json.loads((hub / "config.json").read_text())
+    assert config["layer_types"] == ["diff_v1", "diff_v2", "baseline", "diff_v1"]
+    assert DiffAttnForCausalLM.from_pretrained(hub).config.layer_types == ["full_attention"] * 4
+    check_against_diffattn(src, remote_report(hub, tmp_path, sys.executable, block=True))
+
+
+TOY_PACKAGE = {
+    "__init__.py": '"""A toy package that declares an attention type outside diffattn."""\n',
+    "layers.py": '''"""The toy type's module: the baseline's attention with each query head
+scaled by exp(s_h), s_h initialised to log(init_scale)."""
+
+import math
+
+import torch
+from torch import nn
+
+from diffattn.attention.baseline import BaselineAttention
+
+
+class ScaledAttention(BaselineAttention):
+    def __init__(self, config, layer_index):
+        super().__init__(config, layer_index)
+        self.log_scale = nn.Parameter(torch.empty(config.n_heads))
+        self.reset_own_parameters()
+
+    def reset_own_parameters(self, generator=None):
+        with torch.no_grad():
+            self.log_scale.fill_(math.log(self.config.options_of("hub_toy")["init_scale"]))
+
+    def attend(self, x, q, k, v, mask, need_weights):
+        scale = torch.exp(self.log_scale).to(q.dtype).view(1, -1, 1, 1)
+        return super().attend(x, q * scale, k, v, mask, need_weights)
+''',
+    "declaration.py": '''"""The toy type's declaration, registered when imported."""
+
+from diffattn import TypeOption, register_attention_type
+from diffattn.attention.baseline import Baseline
+
+from .layers import ScaledAttention
+
+
+class Scaled(Baseline):
+    name = "hub_toy"
+    module = ScaledAttention
+    options = (TypeOption("init_scale", 1.0, "exp(s_h) at initialisation"),)
+
+    def extra_parameters(self, config):
+        return config.n_heads
+
+    def matches_by_ffn(self, config):
+        return False
+
+
+SCALED = register_attention_type(Scaled())
+''',
+}
+
+
+@pytest.fixture
+def toy_type(tmp_path):
+    """The package ``hub_toy_package`` of :data:`TOY_PACKAGE` in a directory of its own,
+    imported (which registers ``hub_toy``); removed from the registry and the path after."""
+    import importlib
+
+    from diffattn.attention.types import unregister_attention_type
+
+    package = tmp_path / "toy_source" / "hub_toy_package"
+    package.mkdir(parents=True)
+    for name, text in TOY_PACKAGE.items():
+        (package / name).write_text(text)
+    sys.path.insert(0, str(package.parent))
+    try:
+        importlib.import_module("hub_toy_package.declaration")
+        yield "hub_toy"
+    finally:
+        unregister_attention_type("hub_toy")
+        sys.path.remove(str(package.parent))
+        for name in [n for n in sys.modules if n.split(".")[0] == "hub_toy_package"]:
+            del sys.modules[name]
+
+
+def test_an_attention_type_of_another_package_travels_with_the_export(toy_type, tmp_path):
+    """A type registered from another package, in a mixed stack: the export carries its
+    modules (declaration, module class, what they import of their package, a name imported
+    from diffattn's root) and registers it, so the directory loads where neither diffattn nor
+    that package can be imported, with diffattn's logits, also after a save and reload."""
+    src = save_stack(
+        tmp_path / "src",
+        f"{toy_type},diff_v1",
+        attention_options={toy_type: {"init_scale": 1.7}},
+    )
+    with torch.no_grad():  # the toy's own weights away from their init
+        model = DiffAttnForCausalLM.from_pretrained(src)
+        model.model.layers[0].attn.log_scale.copy_(torch.tensor([0.3, -0.2, 0.5, 0.1]))
+        model.save_pretrained(src)
+    hub = convert(src, tmp_path / "hub", to="hub")
+    text = (hub / "modeling_diffattn.py").read_text()
+    assert "('external.hub_toy_package.declaration', 'SCALED', 'Scaled')" in text
+    report = remote_report(hub, tmp_path, sys.executable, block=True, others=("hub_toy_package",))
+    check_against_diffattn(src, report)
+
+
+def test_the_imports_of_an_external_type_are_renamed_and_keep_their_names():
+    from diffattn.hf.remote_code import renamed
+
+    names = {"diffattn": "P", "toy": "P.external.toy"}
+    source = (
+        "import toy\n"
+        "import diffattn\n"
+        "import toy.layers as layers\n"
+        "from toy.layers import A\n"
+        "from . import b\n"
+        "x = 'toy.layers'\n"
+    )
+    assert renamed(source, {"toy.layers"}, names, bind=True) == (
+        "import P.external.toy as toy\n"
+        "import P as diffattn\n"
+        "import P.external.toy.layers as layers\n"
+        "from P.external.toy.layers import A\n"
+        "from . import b\n"
+        "x = 'P.external.toy.layers'\n"
+    )
+    with pytest.raises(ValueError, match=r"`import toy\.layers` cannot be carried"):
+        renamed("import toy.layers\n", set(), names, bind=True)
+
+
+def test_a_type_defined_in_main_is_refused():
+    from diffattn.attention.baseline import Baseline, BaselineAttention
+    from diffattn.hf.remote_types import type_sources
+
+    fields = {"name": "main_toy", "module": BaselineAttention, "__module__": "__main__"}
+    declaration = type("MainToy", (Baseline,), fields)()
+    with pytest.raises(ValueError, match="'main_toy' is defined in __main__"):
+        type_sources([declaration], Path("."))
 
 
 @pytest.mark.hub_venv

@@ -12,8 +12,10 @@ The directory is what ``DiffAttnForCausalLM.save_pretrained`` writes (``config.j
 * the tokenizer, with a pad token (the eos token when it has none: ``padding=True`` then works,
   and the attention mask hides the padding), and the special-token ids in both configs.
 
-All three types (baseline, DIFF V1, DIFF V2) export; the weights are the same tensors under the
-same names, so logits are those of diffattn itself.
+Every attention type exports, and every stack of them (``layer_types``): the remote code
+carries the modules of the types the model uses, those of another package included
+(:mod:`diffattn.hf.remote_types`). The weights are the same tensors under the same names, so
+logits are those of diffattn itself.
 """
 
 from __future__ import annotations

@@ -62,11 +62,12 @@ def points_at_modeling_file(auto_map: Any) -> bool:
     )
 
 
-def modeling_file_text() -> str:
-    """The ``modeling_diffattn.py`` of the classes running here: generated from the installed
-    package in diffattn, the file the vendored copy was unpacked from in that copy."""
+def modeling_file_text(config: Any) -> str:
+    """The ``modeling_diffattn.py`` of the classes running here for a model of ``config`` (a
+    ``DiffAttnConfig``): generated from the installed package and the sources of the model's
+    attention types in diffattn, the file the vendored copy was unpacked from in that copy."""
     if not vendored():
-        return modeling_file()
+        return modeling_file(config.to_model_config().attention_types)
     package = sys.modules[__name__.split(".")[0]]
     path = getattr(package, SOURCE_ATTRIBUTE, None)
     if path is None or not os.path.isfile(path):
@@ -84,4 +85,4 @@ def write_modeling_file(config: Any, directory: str | os.PathLike) -> None:
         return
     if not points_at_modeling_file(getattr(config, "auto_map", None)):
         return
-    Path(directory, MODELING_FILE).write_text(modeling_file_text(), encoding="utf-8")
+    Path(directory, MODELING_FILE).write_text(modeling_file_text(config), encoding="utf-8")
