@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from diffattn import DiffTransformerLM, ModelConfig, presets
+from diffattn.attention.observe import MapRecorder, observing
 from diffattn.attention.types import attention_type
 from diffattn.cache import DynamicCache, StaticCache
 from oracle.gda import gda_attention, gda_parameter_budget, gda_parameter_shapes
@@ -239,6 +240,30 @@ def test_ratio_one_is_diff_v1_bit_for_bit(options, backend):
     assert grads_a.keys() == grads_b.keys()
     for name in grads_a:
         assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+def test_maps_of_a_group_share_the_noise_map():
+    """``output_attentions``: one applied map per signal head, ``A1_i − λ·A2_{i // r}``, where
+    the signal heads of a group read the same noise map (D2); the observed forward computes
+    the model's logits."""
+    config = gda_config({"ratio": 3}, 2)
+    model = build_model(config, seed=7).eval()
+    ids, mask = batch(11, config.vocab_size, True, seed=7)
+    recorder = MapRecorder({0})
+    with torch.no_grad():
+        plain = model(ids, attention_mask=mask).logits
+        out = model(ids, attention_mask=mask, output_attentions=True)
+        with observing(recorder):
+            model(ids, attention_mask=mask)
+    assert rel_max(out.logits, plain) <= FP32_TOL
+    (event,) = recorder.take(0)
+    a1, a2 = event.probs["a1"], event.probs["a2"]
+    assert out.attentions[0].shape == a2.shape == (2, 6, 11, 11)  # H_s = 6 signal heads
+    for i in range(6):
+        assert torch.equal(a2[:, i], a2[:, 3 * (i // 3)]), i  # noise head i // 3
+    assert (a2[:, 0] - a2[:, 3]).abs().max() > 1e-3  # two noise heads, two maps
+    lam = model.layers[0].attn.lambda_full()
+    torch.testing.assert_close(out.attentions[0], a1 - lam * a2)
 
 
 # --- the cache ----------------------------------------------------------------------------------
