@@ -176,3 +176,30 @@ def test_probe_importance_equals_dex_head_importance():
     expected = head_importance(model, {"input_ids": ids, "attention_mask": mask})
     got = probe_importance(model, [(ids, mask)])
     assert torch.allclose(got.float(), expected, rtol=1e-5, atol=1e-8)
+
+
+def test_a_mixed_stack_reports_its_softmax_layers(corpus, tmp_path):  # noqa: F811
+    """``layer_types="diff_v1,baseline"``: every figure per layer; A1/A2 entropies NaN at the
+    softmax layer (a V1 layer has half as many, wider heads), said in the report."""
+    from tests.helpers import tiny_diffattn
+
+    from diffattn.eval.loss import documents
+
+    data, tok = corpus
+    model = tiny_diffattn(layer_types="diff_v1,baseline", vocab_size=tok.vocab_size)
+    wrapped = TextTokenizer(tok._tokenizer)  # the tokenizers.Tokenizer a saved model loads as
+    loaded = EvalModel("mixed", "mixed", model, wrapped, "diffattn", "mixed")
+    pieces = heads.model_windows(loaded, documents([str(data)], "all", 0.02, 0), 24, 60)
+    got = heads.analyse_model(loaded, pieces, batch_size=2)
+    assert got["one_map_layers"] == [1]
+    h = model.config.n_heads
+    for name in ("a1", "a2"):
+        assert torch.isnan(got["entropy"][name][1]).all()
+        assert not torch.isnan(got["entropy"][name][0, : h // 2]).any()
+    assert not torch.isnan(got["entropy"]["applied"][1]).any()
+    importance = got["importance"]
+    assert importance.shape == (2, h) and torch.isnan(importance[0, h // 2 :]).all()
+    assert torch.equal(got["importance_sorted"][:, 0], torch.ones(2, dtype=torch.float64))
+    assert torch.isnan(got["importance_sorted"][0, h // 2 :]).all()
+    text = heads.report({"models": {"mixed": got}})
+    assert "Layers 1 are softmax layers of a mixed stack" in text

@@ -173,3 +173,56 @@ def test_compiled_checkpointed_blocks_train_like_eager_blocks(tmp_path, data_cac
         assert compiled.losses[step] == pytest.approx(loss, abs=1e-5)
     assert compiled.final["lambda_mean"] == pytest.approx(eager.final["lambda_mean"], abs=1e-5)
     assert compiled.final["val_loss"] == pytest.approx(eager.final["val_loss"], abs=1e-5)
+
+
+TOY = "toy_softmax"
+
+
+@pytest.fixture
+def toy_type():
+    from diffattn.attention.baseline import Baseline
+    from diffattn.attention.types import register_attention_type, unregister_attention_type
+
+    class ToySoftmax(Baseline):
+        name = TOY
+        title = "Toy softmax"
+
+    yield register_attention_type(ToySoftmax())
+    unregister_attention_type(TOY)
+
+
+def test_lambda_probe_records_each_layer_of_a_mixed_stack_by_its_type():
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=3, n_heads=4, layer_types="diff_v2,baseline,diff_v1"
+    )
+    model = DiffTransformerLM(config)
+    probe = LambdaProbe(model)
+    with probe.capture():
+        model(torch.randint(0, 64, (2, 9)))
+    got = probe.collect(torch.device("cpu"))
+    assert probe.key == "lambda_mean" and set(got) == {"lambda", "lambda_mean"}
+    lam = got["lambda"]
+    assert math.isnan(lam[0]) and math.isnan(lam[1])
+    assert lam[2] == pytest.approx(model.layers[2].attn.lambda_full().item())
+    means = got["lambda_mean"]
+    assert 0.0 < means[0] < 1.0 and math.isnan(means[1]) and math.isnan(means[2])
+    probe.remove()
+
+
+@pytest.mark.parametrize(
+    "model", [{"attention": TOY}, {"layer_types": "diff_v1,diff_v2"}], ids=["toy", "mixed"]
+)
+def test_metrics_of_a_registered_type_and_of_a_mixed_stack(tmp_path, data_cache, toy_type, model):
+    recipe = tiny_recipe(data_cache, steps=2, log_every=2, eval_every=2, model=model)
+    train(TrainConfig.from_dict(recipe), tmp_path / "run", progress=False)
+    (record,) = read_metrics(tmp_path / "run")
+    assert set(record) >= BASE_FIELDS and math.isfinite(record["loss"])
+    lambdas = {k: v for k, v in record.items() if k.startswith("lambda")}
+    if "attention" in model:
+        assert lambdas == {}  # a softmax type has no λ
+        return
+    # layer 0 is DIFF V1 (λ of Eq.2 near λ_init = 0.2), layer 1 DIFF V2 (mean token λ)
+    assert lambdas["lambda"][0] == pytest.approx(0.2, abs=0.1)
+    assert math.isnan(lambdas["lambda"][1]) and math.isnan(lambdas["lambda_mean"][0])
+    assert 0.0 < lambdas["lambda_mean"][1] < 1.0

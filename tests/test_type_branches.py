@@ -22,7 +22,6 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "diffattn"
 NOT_YET: dict[str, int] = {
     # the kernels' entry points share the names diff_v1/diff_v2 (``auto`` and the bench of
     # backends pick an entry point, not a type)
-    "attention/auto.py": 2,
     "bench/backends.py": 3,
     "bench/report.py": 1,
     "compare/__init__.py": 1,
@@ -30,7 +29,6 @@ NOT_YET: dict[str, int] = {
     "compare/report.py": 3,
     "compare/retrieval.py": 1,
     "compare/retrieval_report.py": 3,
-    "probe/captures.py": 3,
     "scaling/plan.py": 2,
     "scaling/report.py": 2,
 }

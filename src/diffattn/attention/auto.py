@@ -1,13 +1,18 @@
 """``auto``: the backend each attention call runs on when none is named.
 
-``auto`` is resolved per call, from the call's entry point (``softmax`` for the baseline,
-``diff_v1``, ``diff_v2``), device, dtype and shape (:class:`Call`): a training call (a gradient
-is needed), a prefill (no gradient, several queries), a one-token decode step, a padded batch,
-a full custom 4-D mask, a call traced by ``torch.compile``. :func:`order` lists the
+``auto`` is resolved per call, from the call's entry point (the one the layer's attention type
+calls, ``AttentionType.entry``: ``softmax`` for the baseline and any type built on softmax
+attention, ``diff_v1``, ``diff_v2``), device, dtype and shape (:class:`Call`): a training call
+(a gradient is needed), a prefill (no gradient, several queries), a one-token decode step, a
+padded batch, a full custom 4-D mask, a call traced by ``torch.compile``. :func:`order` lists the
 candidates for a call, fastest first as measured (``docs/performance.md``, *What auto picks*,
 gives each entry and the run behind it), and :func:`choose` takes the first that runs here
 exactly:
 
+* a backend that brings no kernel of its own for the call's entry point (it runs the same
+  computation as ``sdpa``: :meth:`~diffattn.attention.registry.Backend.kernel_of`) is not a
+  candidate of its own on the CPU, so a type whose module calls only ``softmax_attention`` runs
+  on ``sdpa`` (``reference`` as the last resort) without a kernel written for it;
 * a backend that cannot run on the tensors (``Backend.unusable``: no CUDA, no package, wrong
   dtype) is skipped silently;
 * a backend whose fast kernel is not built here (``Backend.ready``: the compiled CPU kernel
@@ -30,12 +35,18 @@ from dataclasses import dataclass
 import torch
 
 from diffattn.attention.mask import AttentionMask
-from diffattn.attention.registry import get_backend, log_once, set_auto_resolver
+from diffattn.attention.registry import ENTRIES as ENTRIES  # the entry points, for listings
+from diffattn.attention.registry import (
+    ENTRY_DIFF,
+    ENTRY_SOFTMAX,
+    backend_names,
+    get_backend,
+    log_once,
+    set_auto_resolver,
+)
 
 logger = logging.getLogger("diffattn.kernels")
 
-ENTRIES = ("softmax", "diff_v1", "diff_v2")
-"""The attention entry points (``softmax`` runs the baseline)."""
 _announced: set[tuple] = set()
 
 
@@ -66,7 +77,7 @@ class Call:
 
     @classmethod
     def of(cls, entry: str, tensors: tuple[torch.Tensor, ...], mask: AttentionMask) -> Call:
-        q, k = tensors[0], tensors[2] if entry == "diff_v1" else tensors[1]
+        q, k = tensors[0], tensors[2] if entry == ENTRY_DIFF else tensors[1]
         return cls(
             entry=entry,
             device=q.device.type,
@@ -108,7 +119,8 @@ def order(call: Call) -> tuple[str, ...]:
     ``docs/performance.md``, *What auto picks*).
 
     * CPU, DIFF V1, training, prefill and decode, padded or not, packed documents or not
-      (fp32 and bf16): ``fused``, the compiled kernel (QKᵀ at width d, V read once, no N×N
+      (fp32 and bf16): ``fused`` (:data:`CPU_FIRST`, for the entry points it brings a kernel of
+      its own for: DIFF V1's), the compiled kernel (QKᵀ at width d, V read once, no N×N
       tensor), then ``sdpa``. Full 4-D masks and traced calls: ``sdpa`` (the compiled kernel
       takes neither; the blocked torch path that would runs Python worker threads).
     * CPU, baseline and DIFF V2: ``sdpa`` (PyTorch's flash kernel for the CPU). No kernel of
@@ -148,9 +160,22 @@ def order(call: Call) -> tuple[str, ...]:
     if call.device == "cuda":
         return ("sdpa", "flash") if _sdpa_measured_first(call) else ("flash", "sdpa")
     fused_kernel_takes_it = not (call.full_mask or call.traced)
-    if call.device == "cpu" and call.entry == "diff_v1" and fused_kernel_takes_it:
-        return ("fused", "sdpa")
+    if call.device == "cpu" and fused_kernel_takes_it:
+        return (*(n for n in CPU_FIRST if brings_own_kernel(n, call.entry)), "sdpa")
     return ("sdpa",)
+
+
+CPU_FIRST = ("fused",)
+"""Backends measured faster than ``sdpa`` on the CPU for the entry points they bring a kernel
+of their own for (``fused``: DIFF V1's, ``docs/performance.md``)."""
+
+
+def brings_own_kernel(name: str, entry: str) -> bool:
+    """Whether backend ``name`` is registered and runs ``entry`` with a computation of its own,
+    not ``sdpa``'s (:meth:`~diffattn.attention.registry.Backend.kernel_of`)."""
+    if name not in backend_names():
+        return False
+    return get_backend(name).kernel_of(entry) != get_backend("sdpa").kernel_of(entry)
 
 
 def _sdpa_measured_first(call: Call) -> bool:
@@ -221,7 +246,7 @@ def resolve(
     padding, with ``k`` defaulting to ``q`` and ``mask`` to no mask."""
     mask = AttentionMask() if mask is None else mask
     if call is None:
-        call = Call("softmax", q.device.type, q.dtype, False, False, False, False, False)
+        call = Call(ENTRY_SOFTMAX, q.device.type, q.dtype, False, False, False, False, False)
     return choose(call, q, q if k is None else k, mask)
 
 

@@ -40,6 +40,7 @@ class Baseline(AttentionType):
     vllm_reason = None
     hf_format = "hf-llama"
     tensor_parallel = True
+    bench_by_default = True
 
 
 BASELINE = register_attention_type(Baseline())

@@ -20,6 +20,7 @@ from torch import nn
 
 from diffattn.attention.common import ProjectedAttention, with_maps
 from diffattn.attention.kernels import differential_attention
+from diffattn.attention.registry import ENTRY_DIFF
 from diffattn.attention.types import (
     AttentionType,
     CacheLayout,
@@ -142,6 +143,8 @@ class DiffV1(AttentionType):
         "head_norm_eps",
     )
     differential = True
+    entry = ENTRY_DIFF
+    bench_by_default = True
     source = "Differential Transformer (arXiv 2410.05258), Eq.1-3"
     lambda_label = "λ (Eq.2)"
     lambda_key = "lambda"
@@ -175,6 +178,10 @@ class DiffV1(AttentionType):
 
     def kv_units(self, config) -> int:
         return config.num_kv_heads // 2
+
+    def scalar_lambda(self, module) -> torch.Tensor:
+        """Eq.2's λ of the layer, from its λ vectors (:func:`reparameterised_lambda`)."""
+        return reparameterised_lambda(module)
 
     def kv_unit_name(self, config) -> str:
         return "DIFF V1 KV groups (key-head pairs)"

@@ -18,6 +18,7 @@ from torch import nn
 
 from diffattn.attention.common import ProjectedAttention, with_maps
 from diffattn.attention.kernels import differential_attention_v2
+from diffattn.attention.registry import ENTRY_DIFF_V2
 from diffattn.attention.types import AttentionType, ServedWeight, register_attention_type
 from diffattn.config import ModelConfig
 
@@ -57,6 +58,10 @@ class DiffAttentionV2(ProjectedAttention):
         return out, maps
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class DiffV2(AttentionType):
     """DIFF V2 (blog, "Code"): ``2·n_heads`` query heads interleaved in their GQA groups,
     the baseline's KV heads, W_λ: d_model → n_heads; parameter matched by narrowing the
@@ -68,6 +73,8 @@ class DiffV2(AttentionType):
     module = DiffAttentionV2
     config_fields = ("v2_paired_heads", "v2_use_lambda", "v2_lambda_sigmoid")
     differential = True
+    entry = ENTRY_DIFF_V2
+    bench_by_default = True
     source = "Differential Transformer V2 (blog, Jan 2026), section Code"
     lambda_label = "mean sigmoid(x·W_λ)"
     lambda_key = "lambda_mean"
@@ -76,6 +83,13 @@ class DiffV2(AttentionType):
 
     def query_heads(self, config) -> int:
         return 2 * config.n_heads
+
+    def token_lambda(self, module):
+        """λ_i = sigmoid(x W_λ)_i per token and pair (the raw projection with
+        ``v2_lambda_sigmoid=False``), from ``lambda_proj``; none in the no-λ ablation."""
+        if module.lambda_proj is None:
+            return None
+        return module.lambda_proj, torch.sigmoid if module.config.v2_lambda_sigmoid else _same
 
     def extra_linear_outputs(self, config) -> int:
         return config.n_heads if config.v2_use_lambda else 0  # W_λ

@@ -38,6 +38,9 @@ from diffattn.attention.backends.reference import reference_attention
 from diffattn.attention.backends.sdpa import match_head_widths, sdpa_attention
 from diffattn.attention.mask import AttentionMask
 from diffattn.attention.registry import (
+    ENTRY_DIFF,
+    ENTRY_DIFF_V2,
+    ENTRY_SOFTMAX,
     Backend,
     backend_names,
     compose_v1,
@@ -144,9 +147,11 @@ def softmax_attention(
         return reference_attention(q, k, v, mask, scale)
     observers = observe.observers_for(layer)
     if observers:
-        call = observe.ObservedCall("softmax", layer, mask, scale, observers)
+        call = observe.ObservedCall(ENTRY_SOFTMAX, layer, mask, scale, observers)
         return observe.observed_softmax(call, q, k, v), None
-    out = _run(backend, "softmax", (q, k, v), k, mask, lambda b: b.softmax(q, k, v, mask, scale))
+    out = _run(
+        backend, ENTRY_SOFTMAX, (q, k, v), k, mask, lambda b: b.softmax(q, k, v, mask, scale)
+    )
     return out, None
 
 
@@ -175,7 +180,7 @@ def differential_attention(
         return o1 - lam.to(o1.dtype) * o2, (a1, a2)
     observers = observe.observers_for(layer)
     if observers:
-        call = observe.ObservedCall("diff_v1", layer, mask, scale, observers)
+        call = observe.ObservedCall(ENTRY_DIFF, layer, mask, scale, observers)
         return observe.observed_diff_v1(call, q1, q2, k1, k2, v, lam), None
 
     def kernel(chosen: Backend) -> torch.Tensor:
@@ -185,7 +190,7 @@ def differential_attention(
             diff_v1 = compose_v1(chosen.softmax)
         return diff_v1(q1, q2, k1, k2, v, lam, mask, scale)
 
-    return _run(backend, "diff_v1", (q1, q2, k1, k2, v, lam), k1, mask, kernel), None
+    return _run(backend, ENTRY_DIFF, (q1, q2, k1, k2, v, lam), k1, mask, kernel), None
 
 
 def differential_attention_v2(
@@ -207,7 +212,7 @@ def differential_attention_v2(
     """
     observers = observe.observers_for(layer)
     if observers:
-        call = observe.ObservedCall("diff_v2", layer, mask, scale, observers)
+        call = observe.ObservedCall(ENTRY_DIFF_V2, layer, mask, scale, observers)
         return observe.observed_diff_v2(call, q, k, v, lam, paired)
     tensors = (q, k, v) if lam is None else (q, k, v, lam)
 
@@ -218,4 +223,4 @@ def differential_attention_v2(
             diff_v2 = compose_v2(chosen.softmax)
         return diff_v2(q, k, v, lam, mask, scale, paired)
 
-    return _run(backend, "diff_v2", tensors, k, mask, kernel)
+    return _run(backend, ENTRY_DIFF_V2, tensors, k, mask, kernel)

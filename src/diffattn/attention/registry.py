@@ -40,6 +40,16 @@ logger = logging.getLogger("diffattn.kernels")
 
 SoftmaxFn = Callable[..., torch.Tensor]
 
+ENTRY_SOFTMAX = "softmax"
+"""The softmax-attention entry point (:class:`Backend.softmax`)."""
+ENTRY_DIFF = "diff_v1"
+"""DIFF V1's entry point, Eq.1 per differential head (:class:`Backend.diff_v1`)."""
+ENTRY_DIFF_V2 = "diff_v2"
+"""DIFF V2's entry point, one softmax call and ``o1 − λ·o2`` per pair (:class:`Backend.diff_v2`)."""
+ENTRIES = (ENTRY_SOFTMAX, ENTRY_DIFF, ENTRY_DIFF_V2)
+"""Every entry point, in the order listings show them. An attention type names the one its
+module calls (``AttentionType.entry``); these names are the entry points', not the types'."""
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -84,6 +94,27 @@ class Backend:
 
     def why_unusable(self, q: torch.Tensor) -> str | None:
         return None if self.unusable is None else self.unusable(q)
+
+    def entry_point(self, entry: str) -> SoftmaxFn:
+        """The function this backend runs ``entry`` (one of :data:`ENTRIES`) with: its own, or
+        the composition from its ``softmax`` where it declares none."""
+        if entry == ENTRY_SOFTMAX:
+            return self.softmax
+        if entry == ENTRY_DIFF:
+            return self.diff_v1 or compose_v1(self.softmax)
+        if entry == ENTRY_DIFF_V2:
+            return self.diff_v2 or compose_v2(self.softmax)
+        raise ValueError(f"unknown attention entry point {entry!r}; choose one of {ENTRIES}")
+
+    def kernel_of(self, entry: str) -> object:
+        """What computes ``entry`` on this backend, as a value two backends share exactly when
+        they run the same computation: the function it declares, or for a composition
+        (:func:`compose_v1`, :func:`compose_v2`, or an entry point left out) the entry point
+        and the ``softmax`` it is composed from. ``fused`` and ``triton`` run the baseline on
+        ``sdpa``'s softmax, so for ``softmax`` they bring no kernel of their own."""
+        function = self.entry_point(entry)
+        source = getattr(function, "composed_from", None)
+        return function if source is None else (entry, source)
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -229,6 +260,7 @@ def compose_v1(softmax: SoftmaxFn) -> SoftmaxFn:
         o2 = softmax(q2, k2, v, mask, scale)
         return o1 - lam.to(o1.dtype) * o2
 
+    diff_v1.composed_from = softmax  # what Backend.kernel_of reports
     return diff_v1
 
 
@@ -239,4 +271,5 @@ def compose_v2(softmax: SoftmaxFn) -> SoftmaxFn:
         o1, o2 = pair_heads(softmax(q, k, v, mask, scale), paired)
         return o1 - o2 if lam is None else o1 - lam.to(o2.dtype) * o2
 
+    diff_v2.composed_from = softmax  # what Backend.kernel_of reports
     return diff_v2

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, ClassVar
 
+from diffattn.attention.registry import ENTRY_SOFTMAX
+
 logger = logging.getLogger("diffattn.attention_types")
 
 ENTRY_POINT_GROUP = "diffattn.attention_types"
@@ -140,6 +142,13 @@ class AttentionType:
     """The flat ``ModelConfig`` fields the type reads as its options (the papers' types)."""
     differential: ClassVar[bool] = False
     """Whether its output subtracts a second map (the probe's and analyses' λ, A1, A2)."""
+    entry: ClassVar[str] = ENTRY_SOFTMAX
+    """The kernel entry point its module calls (:data:`diffattn.attention.registry.ENTRIES`):
+    what ``auto`` resolves its calls for and ``diffattn bench`` reports as its kernel. A type
+    whose module calls ``softmax_attention`` runs on every backend without a kernel of its own."""
+    bench_by_default: ClassVar[bool] = False
+    """Whether ``diffattn bench`` times the type when ``--models`` does not choose its rows (the
+    papers' three architectures); ``--models`` names any registered type. Not inherited."""
     source: ClassVar[str] = ""
     """Where the type is described (paper, equation), for reports and docs."""
     lambda_label: ClassVar[str | None] = None
@@ -154,7 +163,7 @@ class AttentionType:
     """The Hugging Face format of its own that ``diffattn convert --to FORMAT`` writes a model
     of this type as (``hf-llama``: ``LlamaForCausalLM``, ``hf-diffllama``:
     ``DiffLlamaForCausalLM``), or ``None``: only ``--to hub``. Not inherited."""
-    NOT_INHERITED: ClassVar[tuple[str, ...]] = ("vllm_reason", "hf_format")
+    NOT_INHERITED: ClassVar[tuple[str, ...]] = ("vllm_reason", "hf_format", "bench_by_default")
     """Claims about what the type computes, which a subclass may no longer meet: one that does
     not set them in its own body gets :class:`AttentionType`'s defaults (not served by vLLM,
     no Hugging Face format of its own) rather than its parent's values."""
@@ -280,6 +289,20 @@ class AttentionType:
         return out
 
     # --- initialisation -------------------------------------------------------------------
+    # --- what the capture probe reads --------------------------------------------------
+    def scalar_lambda(self, module) -> Any:
+        """The layer's one λ as a 0-d fp32 tensor, read from the parameters of ``module`` (its
+        attention module; DIFF V1 Eq.2), or ``None`` when its λ is not one number per layer
+        (:class:`diffattn.probe.Lambda` records it under :attr:`lambda_key`)."""
+        return None
+
+    def token_lambda(self, module) -> tuple[Any, Callable[[Any], Any]] | None:
+        """``(submodule, to_lambda)`` when the layer applies a λ per token and head: the
+        submodule of ``module`` whose forward output gives it and the map from that output to
+        λ (DIFF V2: ``lambda_proj``, then the sigmoid); ``None`` otherwise. The probe averages
+        it over the tokens of the forwards it watches (:attr:`lambda_key`)."""
+        return None
+
     def lambda_init(self, config, layer_index: int) -> float | None:
         """λ_init of layer ``layer_index``, or ``None`` for a type without one."""
         return None

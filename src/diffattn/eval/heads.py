@@ -21,7 +21,8 @@ Hugging Face DiffLlama). Only entries a real (non-padding) query may attend coun
   cos(O, Δ) and of ‖Δ‖/‖O‖, with O the head output and Δ = O' − O what Dex adds.
 
 Results per model (``results.json``): ``sparsity`` ({ε: layers × heads}), ``entropy``
-({map: layers × heads}), ``positive_share``, ``negative_share``, ``positive_mean``,
+({map: layers × heads}; in a mixed stack ``a1``/``a2`` are NaN at the softmax layers, listed
+in ``one_map_layers``), ``positive_share``, ``negative_share``, ``positive_mean``,
 ``negative_mean``, ``importance`` (raw), ``importance_normalised``, ``importance_sorted``
 (layers × heads), ``cosine_distance`` and ``cka`` ({layer: heads × heads}), ``dex`` (a list of
 {layer, head, cosine, relative_norm}, only with Dex), ``counts``.
@@ -58,7 +59,6 @@ from diffattn.settings import like, setting, shared, takes_settings
 NAME = "heads"
 HELP = "per-head sparsity, entropy, signs, redundancy (cosine, CKA), importance (Dex §2)"
 EPSILONS = (1e-4, 1e-6)
-DIFF_KINDS = ("diff_v1", "diff_v2", "diffllama")
 
 
 @dataclass(frozen=True)
@@ -332,16 +332,22 @@ def importance_figures(model: EvalModel, groups: Sequence[tuple[torch.Tensor, to
     from diffattn.probe.analysis import head_importance
 
     raw = head_importance(model.model, groups)
-    normalised = raw / raw.amax(1, keepdim=True).clamp_min(1e-30)
-    return raw, normalised, normalised.sort(1, descending=True).values
+    if not raw.isnan().any():
+        normalised = raw / raw.amax(1, keepdim=True).clamp_min(1e-30)
+        return raw, normalised, normalised.sort(1, descending=True).values
+    # a mixed stack: rows NaN-padded beyond a layer's heads, which stay last when sorted
+    normalised = raw / raw.nan_to_num(0.0).amax(1, keepdim=True).clamp_min(1e-30)
+    ordered = normalised.nan_to_num(-math.inf).sort(1, descending=True).values
+    return raw, normalised, ordered.masked_fill(ordered == -math.inf, math.nan)
 
 
 @torch.no_grad()
 def _streamed(model: EvalModel, groups, quiet: bool) -> dict[str, Any]:
     from diffattn.probe.models import view
 
-    kinds = {layer.kind for layer in view(model.model).layers}
-    maps = ["applied", "a1", "a2"] if kinds & set(DIFF_KINDS) else ["applied"]
+    layers = view(model.model).layers
+    differential = [layer.index for layer in layers if layer.differential]
+    maps = ["applied", "a1", "a2"] if differential else ["applied"]
     entropies = {m: AttentionEntropy(map=m) for m in maps}
     stats = HeadMapStats()
     dex = _is_dex(model.model)
@@ -356,7 +362,8 @@ def _streamed(model: EvalModel, groups, quiet: bool) -> dict[str, Any]:
         "maps": stats.result(),
         "cka": moments.cka(),
         "dex": moments.dex_points() if dex else None,
-        "n_layers": len(view(model.model).layers),
+        "n_layers": len(layers),
+        "one_map_layers": [v.index for v in layers if differential and not v.differential],
     }
 
 
@@ -385,6 +392,8 @@ def analyse_model(
     entry.update(importance=raw, importance_normalised=normalised, importance_sorted=ordered)
     if streamed["dex"] is not None:
         entry["dex"] = streamed["dex"]
+    if streamed["one_map_layers"]:  # a mixed stack: its softmax layers have no A1, A2
+        entry["one_map_layers"] = streamed["one_map_layers"]
     entry["counts"] = {
         "windows": len(pieces),
         "tokens": sum(len(p) for p in pieces),
@@ -510,6 +519,12 @@ def report(results: dict[str, Any]) -> str:
                 rows,
             )
         )
+        if entry.get("one_map_layers"):
+            parts.append(
+                f"Layers {', '.join(map(str, entry['one_map_layers']))} are softmax layers of a "
+                "mixed stack: one map A, so their entropies of A1 and A2 are NaN (the entropy "
+                "above is of A there).\n"
+            )
         if entry.get("dex"):
             parts.append(
                 "Dex (Fig 11a), per adapted head:\n\n"

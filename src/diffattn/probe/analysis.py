@@ -23,7 +23,8 @@ def sequence_nll(
 def head_importance(
     model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor | None]]
 ) -> torch.Tensor:
-    """Michel et al. (2019) head importance E_x |∂L(x)/∂ξ_h|, ``(n_layers, n_heads)`` float64.
+    """Michel et al. (2019) head importance E_x |∂L(x)/∂ξ_h|, ``(n_layers, n_heads)`` float64
+    (``n_heads``: the most heads of a layer; NaN beyond a layer's own, in a mixed stack).
 
     ξ are the identity gates of :class:`~diffattn.probe.HeadGates` on every head W_O reads
     (differential heads for DIFF V1), one per sequence, so one backward pass gives each
@@ -37,9 +38,21 @@ def head_importance(
             logits = model(input_ids=ids, attention_mask=mask).logits
             loss = sequence_nll(logits, ids, mask).sum()
             grads = torch.autograd.grad(loss, gates.ordered())
-            step = torch.stack([g.abs().sum(0) for g in grads]).double().cpu()
+            step = _rows([g.abs().sum(0) for g in grads]).cpu()
             total = step if total is None else total + step
             count += ids.shape[0]
     if total is None:
         raise ValueError("no calibration batches given")
     return total / count
+
+
+def _rows(values: list[torch.Tensor]) -> torch.Tensor:
+    """``values`` (one 1-D tensor per layer) as rows of a float64 matrix, NaN-padded to the
+    longest (the layers of a mixed stack may have different numbers of heads)."""
+    width = max(v.numel() for v in values)
+    if all(v.numel() == width for v in values):
+        return torch.stack(values).double()
+    out = torch.full((len(values), width), torch.nan, dtype=torch.float64, device=values[0].device)
+    for i, v in enumerate(values):
+        out[i, : v.numel()] = v.double()
+    return out

@@ -14,7 +14,7 @@ Module hooks (the model runs as it would):
 * :class:`HiddenStates` and :class:`HiddenStats`: each layer's output, kept or streamed.
 * :class:`HeadOutputs`: what ``o_proj`` reads, per head; before and after Dex.
 * :class:`HeadGates`: identity gates on head outputs, for gradient head importance.
-* :class:`Lambda`: DIFF V1's λ per layer, DIFF V2's mean token λ per layer.
+* :class:`Lambda`: each layer's λ as its type declares it: DIFF V1's λ, DIFF V2's mean token λ.
 * :class:`TokenLoss`: next-token NLL of every position.
 
 Results accumulate over all forwards inside the probe; per-forward results are lists with one
@@ -30,7 +30,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from diffattn.attention.diff_v1 import reparameterised_lambda
 from diffattn.attention.observe import AttentionEvent
 from diffattn.probe.core import Capture, Probe
 from diffattn.probe.reducers import RunningStats
@@ -216,7 +215,9 @@ class AttentionEntropy(Capture):
 
     For softmax attention the rows of A; for DIFF the rows of |A1 − λA2| renormalised to sum
     to one (``map="applied"``), or of A1 or A2 (``map="a1"``/``"a2"``).
-    Result: ``(n_layers, n_heads)`` fp32 (NaN for layers not watched).
+    Result: ``(n_layers, n_heads)`` fp32 (NaN for layers not watched, and for ``a1``/``a2`` at
+    the softmax layers of a mixed stack, which have one map; ``n_heads`` is the most heads of a
+    layer, NaN beyond a layer's own).
     """
 
     name = "attention_entropy"
@@ -232,6 +233,8 @@ class AttentionEntropy(Capture):
         return self.wants_layer(layer)
 
     def on_attention(self, event: AttentionEvent) -> None:
+        if self.map != "applied" and self.map not in event.probs:
+            return  # a layer without this map (A1, A2 of a softmax layer in a mixed stack)
         probs = event.applied if self.map == "applied" else event.probs[self.map]
         probs = probs.detach().double()
         if "a" not in event.probs or self.map != "applied":
@@ -249,8 +252,8 @@ class AttentionEntropy(Capture):
         n_layers = len(self.probe.layers)
         heads = max(t.numel() for t in self.sums.values()) if self.sums else 0
         out = torch.full((n_layers, heads), math.nan, dtype=torch.float64)
-        for layer, total in self.sums.items():
-            out[layer] = total / max(self._rows[layer], 1)
+        for layer, total in self.sums.items():  # a layer with fewer heads (mixed stack): NaN
+            out[layer, : total.numel()] = total / max(self._rows[layer], 1)
         return out.float()
 
 
@@ -431,11 +434,15 @@ class HeadGates(Capture):
 
 
 class Lambda(Capture):
-    """λ per layer: DIFF V1's (and DiffLlama's) scalar λ of Eq.2, read from the parameters;
-    DIFF V2's token-wise λ = sigmoid(xW_λ), summed while :attr:`enabled` and averaged.
+    """λ per layer, where each layer's attention type reads it (:class:`LayerView`
+    ``scalar_lambda``/``token_lambda``, from ``AttentionType.scalar_lambda``/``token_lambda``):
+    DIFF V1's (and DiffLlama's) scalar λ of Eq.2, read from the parameters; DIFF V2's token-wise
+    λ = sigmoid(xW_λ), summed while :attr:`enabled` and averaged.
 
-    Result: ``{"lambda": [...]}`` for V1/DiffLlama, ``{"lambda_mean": [...]}`` for V2 (NaN for a
-    layer that saw no token), ``{}`` for softmax models.
+    Result: per λ key of the layers (``AttentionType.lambda_key``): ``{"lambda": [...]}`` for
+    V1/DiffLlama, ``{"lambda_mean": [...]}`` for V2 (NaN for a layer that saw no token), ``{}``
+    for softmax models, one entry per layer. In a mixed stack (``ModelConfig.layer_types``) each
+    key's list still has one entry per layer, NaN at the layers whose type has no such λ.
     """
 
     name = "lambda"
@@ -449,57 +456,56 @@ class Lambda(Capture):
     def install(self, probe: Probe) -> list[Any]:
         handles = []
         for view in probe.layers:
-            proj = getattr(view.attention, "lambda_proj", None)
-            if view.kind == "diff_v2" and proj is not None and self.wants_layer(view.index):
-                handles.append(proj.register_forward_hook(self._hook(view)))
+            if view.token_lambda is not None and self.wants_layer(view.index):
+                module, to_lambda = view.token_lambda
+                handles.append(module.register_forward_hook(self._hook(view.index, to_lambda)))
         return handles
 
-    def _hook(self, view):
-        sigmoid = view.attention.config.v2_lambda_sigmoid
-
+    def _hook(self, index: int, to_lambda: Callable[[torch.Tensor], torch.Tensor]):
         def hook(module, args, output):
             if not self.enabled:
                 return
-            lam = output.detach().float()
-            lam = torch.sigmoid(lam) if sigmoid else lam
-            self.sums[view.index] = self.sums.get(view.index, 0.0) + lam.sum()
-            self.counts[view.index] = self.counts.get(view.index, 0) + lam.numel()
+            lam = to_lambda(output.detach().float())
+            self.sums[index] = self.sums.get(index, 0.0) + lam.sum()
+            self.counts[index] = self.counts.get(index, 0) + lam.numel()
 
         return hook
 
-    def v2_layers(self) -> list[int]:
-        return [
-            v.index
-            for v in self.probe.layers
-            if v.kind == "diff_v2" and getattr(v.attention, "lambda_proj", None) is not None
-        ]
+    def token_layers(self) -> list[int]:
+        """The layers with a λ per token (DIFF V2's), in order."""
+        return [v.index for v in self.probe.layers if v.token_lambda is not None]
+
+    def scalar_layers(self) -> list[int]:
+        """The layers with one λ each (DIFF V1's, DiffLlama's), in order."""
+        return [v.index for v in self.probe.layers if v.scalar_lambda is not None]
 
     def reset(self) -> None:
         self.sums, self.counts = {}, {}
 
     @torch.no_grad()
     def scalar_lambdas(self) -> list[torch.Tensor]:
-        """DIFF V1 / DiffLlama λ of each chosen layer (fp32, 0-d), Eq.2."""
-        out = []
-        for view in self.probe.layers:
-            attn = view.attention
-            if view.kind in ("diff_v1", "diffllama"):
-                out.append(reparameterised_lambda(attn))
-        return out
+        """The one λ of each layer that has one (fp32, 0-d), Eq.2 for DIFF V1 / DiffLlama."""
+        return [v.scalar_lambda() for v in self.probe.layers if v.scalar_lambda is not None]
+
+    def per_layer(self, key: str, values: dict[int, float]) -> list[float]:
+        """``values`` (by layer) of the layers whose λ is recorded under ``key``, one entry
+        per layer of those; a stack in which other layers have no such λ gets NaN there."""
+        keyed = [v.index for v in self.probe.layers if v.lambda_key == key]
+        if len(keyed) < len(self.probe.layers):
+            keyed = [v.index for v in self.probe.layers]
+        return [values.get(i, math.nan) for i in keyed]
 
     def result(self) -> dict[str, list[float]]:
-        scalars = self.scalar_lambdas()
-        if scalars:
-            return {"lambda": [float(v) for v in scalars]}
-        layers = self.v2_layers()
-        if layers:
-            return {
-                "lambda_mean": [
-                    float(self.sums[i]) / self.counts[i] if self.counts.get(i) else math.nan
-                    for i in layers
-                ]
-            }
-        return {}
+        values: dict[str, dict[int, float]] = {}
+        scalars = iter(self.scalar_lambdas())
+        for view in self.probe.layers:
+            if view.scalar_lambda is not None:
+                values.setdefault(view.lambda_key, {})[view.index] = float(next(scalars))
+            elif view.token_lambda is not None:
+                i = view.index
+                mean = float(self.sums[i]) / self.counts[i] if self.counts.get(i) else math.nan
+                values.setdefault(view.lambda_key, {})[i] = mean
+        return {key: self.per_layer(key, found) for key, found in values.items()}
 
 
 class TokenLoss(Capture):

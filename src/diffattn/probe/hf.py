@@ -31,6 +31,7 @@ from diffattn.attention.observe import (
     ObservedCall,
     observed_softmax,
 )
+from diffattn.attention.registry import ENTRY_DIFF, ENTRY_SOFTMAX
 
 IMPLEMENTATION = "diffattn_probe"
 
@@ -105,7 +106,7 @@ class _DiffLlamaEvents(AttentionObserver):
     def on_attention(self, event: AttentionEvent) -> None:
         h = event.probs["a"].shape[1] // 2
         probs, logits = event.probs["a"], event.logits["a"]
-        event.kind = "diff_v1"
+        event.kind = ENTRY_DIFF
         event.probs = {"a1": probs[:, :h], "a2": probs[:, h:]}
         event.logits = {"a1": logits[:, :h], "a2": logits[:, h:]}
         event.lam = self.lam.to(probs.device)
@@ -133,7 +134,7 @@ def probe_attention(module, query, key, value, attention_mask, scaling=None, dro
     allowed = _allowed(attention_mask, n, s, query.device)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     call = ObservedCall(
-        "softmax",
+        ENTRY_SOFTMAX,
         layer,
         AttentionMask(query_offset=s - n),
         scale,

@@ -39,7 +39,9 @@ def _plain(value: Any) -> float:
 
 
 class LambdaProbe:
-    """Per-layer λ of a DIFF V1 or V2 model (nothing for softmax models), for the metrics.
+    """Per-layer λ of a model's differential layers (nothing for softmax models), for the
+    metrics, as each layer's attention type declares it (``AttentionType.scalar_lambda``,
+    ``token_lambda``, ``lambda_key``; a mixed stack records each layer by its own type).
 
     Built on the capture probe's :class:`~diffattn.probe.Lambda`: V1 reads Eq.2's λ from the
     parameters; V2 averages the token λ of the forwards run inside :meth:`capture`.
@@ -49,17 +51,13 @@ class LambdaProbe:
         self.lam = Lambda()
         self.lam.enabled = False
         self._probe = Probe(model, [self.lam]).__enter__()
-        kinds = {view.kind for view in self._probe.layers}
-        self.v1 = bool(kinds & {"diff_v1", "diffllama"})
-        self.v2 = bool(self.lam.v2_layers())
+        self.scalar = bool(self.lam.scalar_layers())
+        self.token = bool(self.lam.token_layers())
 
     @property
     def key(self) -> str | None:
-        if self.v1:
-            return "lambda"
-        if self.v2:
-            return "lambda_mean"
-        return None
+        """The key of the first layer's λ in the records, or ``None`` without a λ."""
+        return next((v.lambda_key for v in self._probe.layers if v.lambda_key), None)
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
@@ -72,28 +70,36 @@ class LambdaProbe:
 
     def collect(self, device: torch.device) -> dict[str, list[float]]:
         """The per-layer values since the last call, averaged over ranks. Collective."""
-        if self.v1:
-            return {"lambda": [_plain(v) for v in self.lam.scalar_lambdas()]}
-        if self.v2:
-            layers = self.lam.v2_layers()
-            sums = torch.tensor(
-                [float(self.lam.sums.get(i, 0.0)) for i in layers],
-                device=device,
-                dtype=torch.float64,
-            )
-            counts = torch.tensor(
-                [self.lam.counts.get(i, 0) for i in layers], device=device, dtype=torch.float64
-            )
-            distributed.all_reduce_sum(sums)
-            distributed.all_reduce_sum(counts)
-            self.lam.reset()
-            means = (sums / counts.clamp_min(1)).tolist()
-            return {
-                "lambda_mean": [
-                    m if c > 0 else math.nan for m, c in zip(means, counts.tolist(), strict=True)
-                ]
-            }
-        return {}
+        values: dict[str, dict[int, float]] = {}
+        views = self._probe.layers
+        if self.scalar:
+            scalars = iter(self.lam.scalar_lambdas())
+            for view in views:
+                if view.scalar_lambda is not None:
+                    values.setdefault(view.lambda_key, {})[view.index] = _plain(next(scalars))
+        if self.token:
+            for key, found in self._token_means(device).items():
+                values.setdefault(key, {}).update(found)
+        return {key: self.lam.per_layer(key, found) for key, found in values.items()}
+
+    def _token_means(self, device: torch.device) -> dict[str, dict[int, float]]:
+        """The mean token λ of each layer with one since the last call, all ranks together."""
+        layers = self.lam.token_layers()
+        sums = torch.tensor(
+            [float(self.lam.sums.get(i, 0.0)) for i in layers], device=device, dtype=torch.float64
+        )
+        counts = torch.tensor(
+            [self.lam.counts.get(i, 0) for i in layers], device=device, dtype=torch.float64
+        )
+        distributed.all_reduce_sum(sums)
+        distributed.all_reduce_sum(counts)
+        self.lam.reset()
+        means = (sums / counts.clamp_min(1)).tolist()
+        keys = {v.index: v.lambda_key for v in self._probe.layers}
+        out: dict[str, dict[int, float]] = {}
+        for i, m, c in zip(layers, means, counts.tolist(), strict=True):
+            out.setdefault(keys[i], {})[i] = m if c > 0 else math.nan
+        return out
 
     def remove(self) -> None:
         self._probe.__exit__(None, None, None)
