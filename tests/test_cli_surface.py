@@ -86,7 +86,7 @@ SURFACE: dict[str, dict[str, Any]] = {
                                   '--help', '--jobs', '--jobs-per-device', '--needle-samples',
                                   '--no-eval', '--out', '--overwrite', '--part', '--preset',
                                   '--quiet', '--seeds', '--set', '--steps', '-h'],
-                      'digest': '55e8fb355f3a4fb0',
+                      'digest': '6e7a887c856898ae',
                       'defaults': {'verb': 'compare',
                                    'out': 'runs/compare',
                                    'part': 'all',

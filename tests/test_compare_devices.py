@@ -115,18 +115,9 @@ def test_compare_records_the_device_of_every_run(tmp_path, monkeypatch, capsys):
     the tiny recipe on CPU in them and records each run's device in results.json and report.md;
     the runs that overlapped in time held different devices."""
     monkeypatch.setattr(devices_module, "visible_devices", lambda device: FAKE)
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    text = "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, item):\n"
-    for i in range(24):
-        (corpus / f"doc{i:02d}.py").write_text(f"# document {i}\n" + text * (3 + i % 4))
-    overrides = [
-        f"data.sources=[{corpus}]", "data.tokenizer=bpe:300", "data.valid_fraction=0.2",
-        "data.max_bytes=null", f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=300",
-        "model.d_model=32", "model.n_heads=4", "model.n_layers=2", "global_batch_size=4",
-        "micro_batch_size=4", "seq_len=32", "schedule.warmup_steps=1", "log_every=1",
-        "eval_every=2", "eval_batches=1", "checkpoint_every=2", "device=cpu",
-    ]  # fmt: skip
+    from compare_helpers import tiny_overrides, write_corpus
+
+    overrides = tiny_overrides(write_corpus(tmp_path / "corpus"), tmp_path / "cache")
     out = tmp_path / "out"
     options = CompareOptions(
         out=out, overrides=overrides, steps=2, seeds=2, attentions=("baseline", "diff_v1"),

@@ -54,11 +54,13 @@ def section(monkeypatch):
         mean=0.15,
         stderr=0.05,
         verdict="supported",
+        claimed=True,
     )
     seen = {}
 
-    def evaluate(found_claims, per_type, z):
+    def evaluate(found_claims, per_type, z, claimed):
         seen["evaluate"] = (found_claims is claims.RETRIEVAL_CLAIMS, sorted(per_type), z)
+        seen["claimed"] = claimed
         return [verdict]
 
     def devices(runs):
@@ -134,7 +136,7 @@ EXPECTED_LINES = [
     ),
     "",
     "- DIFF V1 λ (Eq.2): layer 1: 0.250 ± 0.050, layer 2: 0.340 ± 0.010",
-    "- DIFF V2 mean token λ: layer 1: 0.520 ± 0.020, layer 2: 0.600 ± 0.000",
+    "- DIFF V2 mean sigmoid(x·W_λ): layer 1: 0.520 ± 0.020, layer 2: 0.600 ± 0.000",
     "",
     "DEVICES",
     "",
@@ -152,6 +154,7 @@ def test_retrieval_section_data_plots_and_calls(section):
     _, data, plots, seen, per_type = section
     assert plots == [Path("out") / "retrieval_accuracy.png"]
     assert seen["evaluate"] == (True, list(MODELS), 2.5)
+    assert seen["claimed"] == {"diff_v1", "diff_v2"}  # the papers' claims are about these
     assert seen["devices"] == [(a, s, "cuda:1" if s else "cpu") for a in MODELS for s in range(3)]
     assert list(data) == ["settings", "claims", "runs", "plots"]
     assert data["settings"]["grid"] == (2, 5, 8) and data["settings"]["context"] == 24
@@ -167,6 +170,7 @@ def test_retrieval_section_data_plots_and_calls(section):
             "mean": 0.15,
             "stderr": 0.05,
             "verdict": "supported",
+            "paper_claim": True,
         }
     ]
 

@@ -24,11 +24,6 @@ NOT_YET: dict[str, int] = {
     # backends pick an entry point, not a type)
     "bench/backends.py": 3,
     "bench/report.py": 1,
-    "compare/__init__.py": 1,
-    "compare/plots.py": 1,
-    "compare/report.py": 3,
-    "compare/retrieval.py": 1,
-    "compare/retrieval_report.py": 3,
     "scaling/plan.py": 2,
     "scaling/report.py": 2,
 }

@@ -143,6 +143,7 @@ class DiffV1(AttentionType):
         "head_norm_eps",
     )
     differential = True
+    paper_claims = True
     entry = ENTRY_DIFF
     bench_by_default = True
     source = "Differential Transformer (arXiv 2410.05258), Eq.1-3"

@@ -73,6 +73,7 @@ class DiffV2(AttentionType):
     module = DiffAttentionV2
     config_fields = ("v2_paired_heads", "v2_use_lambda", "v2_lambda_sigmoid")
     differential = True
+    paper_claims = True
     entry = ENTRY_DIFF_V2
     bench_by_default = True
     source = "Differential Transformer V2 (blog, Jan 2026), section Code"

@@ -142,6 +142,11 @@ class AttentionType:
     """The flat ``ModelConfig`` fields the type reads as its options (the papers' types)."""
     differential: ClassVar[bool] = False
     """Whether its output subtracts a second map (the probe's and analyses' λ, A1, A2)."""
+    paper_claims: ClassVar[bool] = False
+    """Whether ``diffattn compare`` judges the Differential Transformer papers' claims
+    (``diffattn.compare.claims``: DIFF V1's tables and figures, the V2 blog) for this type
+    against the baseline; any other type, and an ablation of any type, is reported as its
+    measured difference to the baseline."""
     entry: ClassVar[str] = ENTRY_SOFTMAX
     """The kernel entry point its module calls (:data:`diffattn.attention.registry.ENTRIES`):
     what ``auto`` resolves its calls for and ``diffattn bench`` reports as its kernel. A type

@@ -1,4 +1,5 @@
-"""``diffattn compare``: train baseline, DIFF V1 and DIFF V2 the same way and report."""
+"""``diffattn compare``: train baseline, DIFF V1 and DIFF V2 (or other arms) the same way and
+report."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ DESCRIPTION = (
     "loss, multi-needle retrieval, attention to answer and noise, outliers, quantized logits, λ) "
     "and token-level retrieval among look-alike distractors (accuracy against the number of "
     "pairs, attention to the queried pair and to distractors, accuracy under quantized logits, "
-    "λ); judge the papers' claims from the spread over seeds. Writes OUT/report.md, "
-    "results.json and PNGs. With no arguments: the embedded recipe (docs/compare.md), both "
-    "parts, within 10 minutes on 2 CPU cores."
+    "λ); judge the papers' claims from the spread over seeds. --attention takes other arms: any "
+    "registered attention type, or an ablation of one as TYPE:option=value,... (e.g. "
+    "diff_v1:lambda_init=0.8), each matched to the baseline's parameters and reported as its "
+    "difference to the baseline. Writes OUT/report.md, results.json and PNGs. With no "
+    "arguments: the embedded recipe (docs/compare.md), both parts, within 10 minutes on 2 CPU "
+    "cores."
 )
 
 

@@ -1,19 +1,27 @@
-"""``diffattn compare``: baseline vs DIFF V1 vs DIFF V2, trained the same way, one report.
+"""``diffattn compare``: baseline vs DIFF V1 vs DIFF V2 (or any arms), trained the same way, one
+report.
 
 A fair comparison (DIFF V1 §3) holds everything but the attention fixed: every run
 starts from the same recipe, reads the same prepared tokens in the same order (the loader is
 seeded by the run's seed, identical across attention types), uses the same initialisation seed,
-and has the same parameter count (DIFF V1 matches the baseline by construction, DIFF V2 through
-``model.match_params``). Parameter counts are reported beside the losses.
+and has the same parameter count (DIFF V1 matches the baseline by construction; a type whose
+declaration ``matches_by_ffn``, as DIFF V2, through ``model.match_params``). Parameter counts
+are reported beside the losses.
+
+The arms are the default three types, or any registered type and ablations of one, spelled
+``TYPE[:option=value,...]`` (:mod:`diffattn.compare.arms`), e.g. ``gda:ratio=3`` or
+``diff_v1:lambda_init=0.8``; each is compared against the baseline
+(:data:`~diffattn.compare.arms.REFERENCE`).
 
 Layout of ``OUT``::
 
     compare.yaml            the resolved plan (recipe + overrides, attention types, seeds)
-    runs/<attention>-seed<k>/   one training run each (metrics.jsonl, checkpoints/)
+    runs/<arm>-seed<k>/     one training run each (metrics.jsonl, checkpoints/); an arm's
+                            directory name is its spelling with ':' and ',' as '-'
     report.md, report.json  the results table, settings and λ summaries
     loss_curves.png         training and validation loss per attention type
-    lambda.png              DIFF V1 λ and DIFF V2 mean λ per layer over steps
-    retrieval/<attention>-seed<k>/retrieval.json   the retrieval experiment's runs
+    lambda.png              each arm's λ per layer over steps (DIFF V1 λ, DIFF V2 mean λ)
+    retrieval/<arm>-seed<k>/retrieval.json   the retrieval experiment's runs
     retrieval_accuracy.png, retrieval_attention.png  its accuracy and attention plots
 
 Two parts (``part``): ``lm``, language modelling on the recipe's data mix, and
@@ -36,6 +44,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from diffattn.compare.arms import Arm, matched_config, parse_arms
 from diffattn.compare.evaluate import EvalSettings, MeasurementOptions
 from diffattn.compare.language_modelling import (
     _Job,
@@ -49,6 +58,7 @@ from diffattn.settings import Settings, nested, progress_switch, setting
 from diffattn.train.cli import recipe_overrides
 
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
+"""The default arms: the papers' three types."""
 PARTS = ("all", "lm", "retrieval")
 PLAN_NAME = "compare.yaml"
 RETRIEVAL_KEY = "retrieval"
@@ -115,9 +125,13 @@ class CompareOptions(Settings):
         ATTENTIONS,
         flag="--attention",
         dest="attention",
-        choices=ATTENTIONS,
-        help="attention types to compare (default: all three)",
+        metavar="ARM",
+        help="arms to compare: any registered attention type, or an ablation of one as "
+        "TYPE:option=value,... (e.g. diff_v1:lambda_init=0.8); separated by spaces or commas "
+        "(default: baseline diff_v1 diff_v2)",
     )
+    """The arms (:mod:`diffattn.compare.arms`), as spelled; each is compared against the
+    baseline."""
     overrides: Sequence[str] = recipe_overrides(
         "override a recipe value, e.g. --set optim.lr=1e-3 (repeatable)"
     )
@@ -174,23 +188,25 @@ def retrieval_settings(options: CompareOptions, recipe: dict[str, Any], device: 
         raise ConfigError(RETRIEVAL_KEY, message.partition(": ")[2]) from None
 
 
+def arms_of(options: CompareOptions) -> tuple[Arm, ...]:
+    """The arms ``options.attentions`` spells; ``ConfigError`` naming a bad or repeated one."""
+    from diffattn.train import ConfigError
+
+    try:
+        return parse_arms(options.attentions, "--attention")
+    except ValueError as error:
+        raise ConfigError("--attention", str(error).partition(": ")[2]) from None
+
+
 def plan_configs(options: CompareOptions) -> tuple[Any, dict[tuple[str, int], Any]]:
-    """Validate everything and return (base config, {(attention, seed): TrainConfig}).
+    """Validate everything and return (base config, {(arm name, seed): TrainConfig}).
 
     Raises ``ConfigError`` (a ``ValueError`` naming the key) before any file is written.
     """
     from diffattn.train import ConfigError, TrainConfig, check_runtime, read_env
     from diffattn.train.config import apply_overrides
 
-    if not options.attentions:
-        raise ConfigError("--attention", "name at least one attention type")
-    unknown = [a for a in options.attentions if a not in ATTENTIONS]
-    if unknown:
-        raise ConfigError(
-            "--attention", f"unknown type(s) {unknown}; choose from {', '.join(ATTENTIONS)}"
-        )
-    if len(set(options.attentions)) != len(options.attentions):
-        raise ConfigError("--attention", "each attention type may appear once")
+    arms = arms_of(options)
     if options.seeds < 1:
         raise ConfigError("--seeds", f"must be >= 1, got {options.seeds}")
     if options.part not in PARTS:
@@ -215,14 +231,11 @@ def plan_configs(options: CompareOptions) -> tuple[Any, dict[tuple[str, int], An
         raise ConfigError("environment", "diffattn compare runs in one process, not torchrun")
     configs = {}
     for seed_offset in range(options.seeds):
-        for attention in options.attentions:
-            run_overrides = [f"model.attention={attention}", f"seed={base.seed + seed_offset}"]
-            if attention == "diff_v2":
-                run_overrides.append("model.match_params=true")
-            config = load_config(recipe, [*overrides, *run_overrides])
-            config.model_config()  # validates the model fields for this attention type
+        for arm in arms:
+            run_overrides = [*arm.recipe_overrides(), f"seed={base.seed + seed_offset}"]
+            config = matched_config(arm, partial(load_config, recipe), [*overrides, *run_overrides])
             check_runtime(config, env)
-            configs[(attention, base.seed + seed_offset)] = config
+            configs[(arm.name, base.seed + seed_offset)] = config
     return base, configs
 
 
@@ -238,7 +251,7 @@ def _plan_text(options: CompareOptions, base: Any, retrieval: Any) -> str:
     recipe["model"].pop("attention", None)
     recipe.pop("seed", None)
     plan = {
-        "attentions": list(options.attentions),
+        "attentions": [arm.name for arm in arms_of(options)],
         "seeds": [base.seed + i for i in range(options.seeds)],
         "recipe": recipe,
         RETRIEVAL_KEY: {
@@ -264,7 +277,7 @@ def resolve_jobs(
 
 
 def run_compare(options: CompareOptions) -> CompareResult:
-    """Run the parts of the comparison ``options.part`` names: train every (attention, seed)
+    """Run the parts of the comparison ``options.part`` names: train every (arm, seed)
     run of the plan on the same data, measure every trained model, judge the claims and write
     the report."""
     from diffattn.compare.devices import plan_workers
@@ -273,11 +286,12 @@ def run_compare(options: CompareOptions) -> CompareResult:
 
     say = partial(print, flush=True) if options.progress else (lambda *a, **k: None)
     base, configs = plan_configs(options)
+    arms = arms_of(options)
     recipe = Path(options.config) if options.config is not None else default_recipe()
     retrieval = retrieval_settings(options, read_recipe(recipe), str(base.device))
     # --jobs against the devices, for both parts, before any file is written
     if options.part in ("all", "retrieval"):
-        runs = retrieval.seeds * len(options.attentions)
+        runs = retrieval.seeds * len(arms)
         plan_workers(options.jobs, runs, retrieval.device, options.jobs_per_device)
     if options.part in ("all", "lm"):
         plan_workers(options.jobs, len(configs), str(base.device), options.jobs_per_device)
@@ -302,9 +316,7 @@ def run_compare(options: CompareOptions) -> CompareResult:
         from diffattn.compare.retrieval_report import retrieval_section
 
         say("diffattn compare: the retrieval experiment")
-        per_type = run_all(
-            out, retrieval, options.attentions, options.jobs, say, options.jobs_per_device
-        )
+        per_type = run_all(out, retrieval, arms, options.jobs, say, options.jobs_per_device)
         section = retrieval_section(out, retrieval, per_type)
     if shared is None and options.part in ("all", "lm"):
         summaries, prepared = _language_modelling(options, base, configs, out, say)

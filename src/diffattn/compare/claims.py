@@ -16,16 +16,27 @@ With n seeds, mean d̄ and standard error se = sd(d) / √n:
 ``z`` defaults to 2 (roughly a two-sided 95% interval for moderate n; with 3 seeds it is a
 lenient bar, which the report states next to the table). The rule is computed, never written by
 hand, and stated in every report.
+
+The claims are the papers' about DIFF V1 and V2: they are judged for the arms whose type
+declares them (``AttentionType.paper_claims``), unchanged. Any other arm (another type, or an
+ablation) gets the same rows as measured differences against the baseline, with their spread and
+no prediction: *lower* or *higher* when the mean lies more than ``z`` standard errors from 0,
+else *inconclusive* (or *uninformative* under the same gate).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from diffattn.compare.arms import REFERENCE, arm_of
+
 VERDICTS = ("supported", "not supported", "inconclusive", "uninformative")
+LOWER, HIGHER = "lower", "higher"
+"""What an arm without a paper claim shows in place of *supported* / *not supported*: on which
+side of the baseline its mean lies, beyond the noise."""
 FLOOR_MARGIN = 0.05
 """Points above chance the baseline's accuracy must exceed for a gated claim to count."""
 CEILING = 0.95
@@ -73,6 +84,9 @@ class Verdict:
     mean: float
     stderr: float
     verdict: str
+    claimed: bool = True
+    """Whether the claim is the papers' for this model; ``False``: a measured difference only
+    (``verdict`` is then *lower*, *higher*, *inconclusive* or *uninformative*)."""
 
     def measured(self) -> str:
         if math.isnan(self.stderr):
@@ -119,16 +133,25 @@ def _gated(claim: Claim, reference: Sequence[Mapping[str, float]]) -> bool:
     return at_floor_or_ceiling([float(r.get(claim.gate, math.nan)) for r in reference], chance)
 
 
+def claimed_arms(models: Collection[str]) -> set[str]:
+    """The arms of ``models`` the papers' claims are about (:attr:`Arm.paper_claims
+    <diffattn.compare.arms.Arm.paper_claims>`)."""
+    return {name for name in models if (arm := arm_of(name)) is not None and arm.paper_claims}
+
+
 def evaluate_claims(
     claims: Sequence[Claim],
     per_seed: Mapping[str, Sequence[Mapping[str, float]]],
-    baseline: str = "baseline",
+    baseline: str = REFERENCE,
     z: float = 2.0,
+    claimed: Collection[str] | None = None,
 ) -> list[Verdict]:
     """Verdicts of every claim for every non-baseline model.
 
     ``per_seed[model][i]`` holds the measurements of ``model`` trained with the i-th seed; the
-    baseline's list is paired with each model's by index.
+    baseline's list is paired with each model's by index. ``claimed``: the models the claims
+    are about (``None``: every one); the others get measured differences (:data:`LOWER`,
+    :data:`HIGHER`), no verdict on a claim.
     """
     if baseline not in per_seed:
         raise ValueError(f"no measurements of the baseline {baseline!r}")
@@ -148,9 +171,12 @@ def evaluate_claims(
                 for run, ref in zip(runs, reference, strict=True)
             )
             mean, stderr, verdict = judge(diffs, claim.better, z)
+            is_claimed = claimed is None or model in claimed
+            if not is_claimed and verdict in ("supported", "not supported"):
+                verdict = LOWER if mean < 0 else HIGHER
             if _gated(claim, reference):
                 verdict = "uninformative"
-            out.append(Verdict(claim, model, diffs, mean, stderr, verdict))
+            out.append(Verdict(claim, model, diffs, mean, stderr, verdict, is_claimed))
     return out
 
 
@@ -162,16 +188,28 @@ def claims_table(verdicts: Sequence[Verdict], z: float = 2.0) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for v in verdicts:
-        lines.append(
-            f"| {v.claim.statement} | {v.claim.source} | {v.claim.paper or '—'} | {v.model} | "
-            f"{v.claim.prediction} ({v.claim.key}) | {v.measured()} | {v.verdict} |"
-        )
+        if v.claimed:
+            lines.append(
+                f"| {v.claim.statement} | {v.claim.source} | {v.claim.paper or '—'} | {v.model} "
+                f"| {v.claim.prediction} ({v.claim.key}) | {v.measured()} | {v.verdict} |"
+            )
+        else:
+            lines.append(
+                f"| {v.claim.statement} | — | no paper claim | {v.model} | — ({v.claim.key}) | "
+                f"{v.measured()} | {v.verdict} |"
+            )
     rule = (
         f"\nVerdict rule: paired differences over seeds, mean ± standard error; *supported* when "
         f"the mean lies on the predicted side by more than {z:g} standard errors, *not "
         f"supported* when on the other side by more than {z:g}, else *inconclusive* (always "
         "with fewer than two seeds)."
     )
+    if not all(v.claimed for v in verdicts):
+        rule += (
+            " Rows with *no paper claim* (another type, or an ablation) give the measured "
+            f"difference only: *lower* or *higher* when the mean lies more than {z:g} standard "
+            "errors from 0, else *inconclusive*."
+        )
     if any(v.claim.gate for v in verdicts):
         rule += (
             f" *Uninformative*: the Transformer's mean accuracy on the task behind the claim is "

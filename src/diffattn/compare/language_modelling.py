@@ -10,13 +10,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from diffattn.compare.arms import parse_arm
 from diffattn.compare.evaluate import EvalSettings
 from diffattn.compare.report import RunSummary, summarise_run
 
 
 @dataclass
 class _Job:
-    """One (attention, seed) run: train (or resume, or reuse), then measure."""
+    """One (arm, seed) run: train (or resume, or reuse), then measure (``attention``: the
+    arm's name)."""
 
     attention: str
     seed: int
@@ -92,8 +94,9 @@ def lm_work(
     progress: bool,
 ) -> tuple[list[_Job], Any]:
     """Prepare the language-modelling data (in this process) and return the part's jobs, one
-    per (attention, seed) of ``configs``, each run with ``threads`` torch threads (showing
-    its progress bar when ``progress``), and the prepared data."""
+    per (arm, seed) of ``configs`` in ``out/runs/<arm directory>-seed<k>``, each run with
+    ``threads`` torch threads (showing its progress bar when ``progress``), and the prepared
+    data."""
     from diffattn.compare.evaluate import held_out_windows
     from diffattn.data import prepare_data
 
@@ -112,7 +115,7 @@ def lm_work(
             attention,
             seed,
             config,
-            out / "runs" / f"{attention}-seed{seed}",
+            out / "runs" / f"{parse_arm(attention).directory}-seed{seed}",
             options.progress and progress,
             threads,
             held_out,

@@ -1,14 +1,13 @@
 """PNG plots of a comparison: loss curves, λ per layer over steps and the measurements
-(matplotlib, Agg)."""
+(matplotlib, Agg). Each arm is named and coloured by its type's declaration (``title``,
+``colour``, ``lambda_label``; :mod:`diffattn.compare.arms`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from diffattn.compare.names import NAMES
-
-COLOURS = {"baseline": "tab:gray", "diff_v1": "tab:blue", "diff_v2": "tab:orange"}
+from diffattn.compare.arms import arm_of, colours, title_of
 
 
 def _pyplot():
@@ -47,9 +46,10 @@ def plot_losses(out: Path, runs: list[Any]) -> Path | None:
         return None
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
     labelled = set()
+    colour_of = colours(dict.fromkeys(run.attention for run in runs))
     for run in runs:
-        colour = COLOURS.get(run.attention)
-        label = None if run.attention in labelled else NAMES.get(run.attention, run.attention)
+        colour = colour_of[run.attention]
+        label = None if run.attention in labelled else title_of(run.attention)
         labelled.add(run.attention)
         steps, losses = zip(*run.train_curve, strict=True) if run.train_curve else ((), ())
         ax_train.plot(steps, _smooth(list(losses)), color=colour, label=label, lw=1.5)
@@ -65,7 +65,8 @@ def plot_losses(out: Path, runs: list[Any]) -> Path | None:
 
 
 def plot_lambda(out: Path, runs: list[Any]) -> Path | None:
-    """``lambda.png``: per layer, DIFF V1's λ and DIFF V2's mean λ over steps (first seed)."""
+    """``lambda.png``: per layer, each arm's λ over steps (first seed), as its type names it
+    (``lambda_label``: DIFF V1's λ of Eq.2, DIFF V2's mean sigmoid(x·W_λ))."""
     plt = _pyplot()
     panels = {}
     for run in runs:
@@ -82,8 +83,9 @@ def plot_lambda(out: Path, runs: list[Any]) -> Path | None:
         cmap = plt.get_cmap("viridis", max(2, len(per_layer)))
         for layer, values in enumerate(per_layer):
             ax.plot(steps, values, color=cmap(layer), label=f"layer {layer + 1}")
-        what = "λ (Eq.2)" if attention == "diff_v1" else "mean sigmoid(x·W_λ)"
-        ax.set(title=f"{NAMES.get(attention, attention)}: {what}", xlabel="step", ylabel="λ")
+        arm = arm_of(attention)
+        what = "λ" if arm is None else arm.declaration.lambda_label
+        ax.set(title=f"{title_of(attention)}: {what}", xlabel="step", ylabel="λ")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     return save(fig, out / "lambda.png")
@@ -109,6 +111,7 @@ def plot_evals(out: Path, per_seed: dict[str, list[dict[str, Any]]]) -> Path | N
 
     fig, axes = plt.subplots(1, len(EVAL_PANELS), figsize=(15, 4), constrained_layout=True)
     width = 0.8 / len(per_seed)
+    colour_of = colours(per_seed)
     for ax, (title, keys, labels) in zip(axes, EVAL_PANELS, strict=True):
         for m, (attention, evals) in enumerate(per_seed.items()):
             for k, key in enumerate(keys):
@@ -122,8 +125,8 @@ def plot_evals(out: Path, per_seed: dict[str, list[dict[str, Any]]]) -> Path | N
                     statistics.fmean(values),
                     width,
                     yerr=sd,
-                    color=COLOURS.get(attention),
-                    label=NAMES.get(attention, attention) if k == 0 else None,
+                    color=colour_of[attention],
+                    label=title_of(attention) if k == 0 else None,
                     capsize=2,
                 )
                 ax.scatter([x] * len(values), values, color="black", s=6, zorder=3)

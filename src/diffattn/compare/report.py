@@ -1,4 +1,8 @@
-"""The comparison report: one row per attention type, with the spread over seeds.
+"""The comparison report: one row per arm, with the spread over seeds.
+
+Each arm is named by its declaration's ``title`` and its changes
+(:attr:`diffattn.compare.arms.Arm.title`); differences are taken against the baseline
+(:data:`~diffattn.compare.arms.REFERENCE`).
 
 ``results.json`` holds everything (settings, every run with its curves and measurements, the
 claims with their verdicts); ``report.md`` shows the claims table, the measurements, the
@@ -16,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diffattn.compare.names import NAMES
+from diffattn.compare.arms import REFERENCE, arm_of, title_of
 
 
 @dataclass
@@ -35,7 +39,8 @@ class RunSummary:
     train_curve: list[tuple[int, float]] = field(default_factory=list)
     val_curve: list[tuple[int, float]] = field(default_factory=list)
     lambda_curve: list[tuple[int, list[float]]] = field(default_factory=list)
-    """(step, per-layer λ): DIFF V1's λ (Eq.2), DIFF V2's mean λ; empty for the baseline."""
+    """(step, per-layer λ) under the type's ``lambda_key`` (DIFF V1's λ of Eq.2, DIFF V2's
+    mean λ); empty for a type without λ (the baseline)."""
     evals: dict[str, Any] = field(default_factory=dict)
     """The measurements of :mod:`diffattn.compare.evaluate` (empty when not evaluated)."""
     device: str | None = None
@@ -53,8 +58,9 @@ def summarise_run(attention: str, seed: int, config: Any, run_dir: Path, result:
         raise ValueError(f"{run_dir}: no metrics.jsonl records; the run did not log")
     train_curve = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val_curve = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    key = "lambda" if attention == "diff_v1" else "lambda_mean"
-    lambda_curve = [(r["step"], r[key]) for r in records if key in r]
+    arm = arm_of(attention)
+    key = None if arm is None else arm.lambda_key
+    lambda_curve = [(r["step"], r[key]) for r in records if key is not None and key in r]
     speeds = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:] or [math.nan]
     tail = [loss for _, loss in train_curve[-max(1, len(train_curve) // 10) :]]
     return RunSummary(
@@ -79,7 +85,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def table_rows(runs: list[RunSummary]) -> list[dict[str, Any]]:
-    """One row per attention type (in run order), aggregated over seeds."""
+    """One row per arm (in run order), aggregated over seeds."""
     rows = []
     for attention in dict.fromkeys(r.attention for r in runs):
         mine = [r for r in runs if r.attention == attention]
@@ -88,7 +94,7 @@ def table_rows(runs: list[RunSummary]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "attention": attention,
-                "model": NAMES.get(attention, attention),
+                "model": title_of(attention),
                 "parameters": mine[0].parameters,
                 "tokens": mine[0].tokens,
                 "seeds": [r.seed for r in mine],
@@ -177,7 +183,7 @@ def measurement_table(per_seed: dict[str, list[dict[str, Any]]]) -> str:
     """Markdown: one row per measurement, one column per model (mean ± sd over seeds)."""
     models = list(per_seed)
     lines = [
-        "| measurement | " + " | ".join(NAMES.get(m, m) for m in models) + " |",
+        "| measurement | " + " | ".join(title_of(m) for m in models) + " |",
         "|---|" + "---|" * len(models),
     ]
     for key, label, fmt in MEASUREMENTS:
@@ -196,15 +202,15 @@ def measurement_table(per_seed: dict[str, list[dict[str, Any]]]) -> str:
 
 
 def validation_noise(per_seed: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per DIFF model: the held-out loss difference to the baseline, paired by window within
-    each seed (mean difference and its standard error over windows, averaged over seeds), next
-    to the spread of the difference over seeds."""
-    base = per_seed.get("baseline")
+    """Per arm other than the baseline: the held-out loss difference to the baseline, paired by
+    window within each seed (mean difference and its standard error over windows, averaged over
+    seeds), next to the spread of the difference over seeds."""
+    base = per_seed.get(REFERENCE)
     rows: list[dict[str, Any]] = []
     if not base:
         return rows
     for model, evals in per_seed.items():
-        if model == "baseline" or len(evals) != len(base):
+        if model == REFERENCE or len(evals) != len(base):
             continue
         window_diffs, window_sems, seed_diffs = [], [], []
         for mine, ref in zip(evals, base, strict=True):
@@ -230,18 +236,21 @@ def validation_noise(per_seed: dict[str, list[dict[str, Any]]]) -> list[dict[str
 
 
 def outcome_sentences(verdicts: list[Any]) -> list[str]:
-    """Plain sentences on the loss claim for each DIFF model (it says so when DIFF loses)."""
+    """Plain sentences on the validation loss of each arm against the Transformer (they say so
+    when the arm loses): the loss claim's verdict, or an arm's measured difference."""
+    from diffattn.compare.claims import HIGHER, LOWER
+
     lines = []
     for v in verdicts:
         if v.claim.key != "val_loss":
             continue
-        name = NAMES.get(v.model, v.model)
+        name = title_of(v.model)
         size = f"{abs(v.mean):.4f} nats ({v.measured()})"
-        if v.verdict == "supported":
+        if v.verdict in ("supported", LOWER):
             lines.append(
                 f"- {name} reaches a lower validation loss than the Transformer, by {size}."
             )
-        elif v.verdict == "not supported":
+        elif v.verdict in ("not supported", HIGHER):
             lines.append(
                 f"- {name} loses to the Transformer at this size: its validation loss is higher "
                 f"by {size}."
@@ -309,12 +318,14 @@ def write_report(
 
 
 def judge_paper_claims(per_seed: dict[str, list[dict[str, Any]]], z: float) -> list[Any]:
-    """The verdicts on the papers' claims (:data:`~diffattn.compare.claims.PAPER_CLAIMS`), or
-    ``[]`` unless the baseline and at least one other model were evaluated."""
-    from diffattn.compare.claims import PAPER_CLAIMS, evaluate_claims
+    """The verdicts on the papers' claims (:data:`~diffattn.compare.claims.PAPER_CLAIMS`) for
+    the arms they are about, and every other arm's measured differences
+    (:func:`~diffattn.compare.claims.evaluate_claims`); ``[]`` unless the baseline and at least
+    one other arm were evaluated."""
+    from diffattn.compare.claims import PAPER_CLAIMS, claimed_arms, evaluate_claims
 
-    if "baseline" in per_seed and len(per_seed) > 1:
-        return evaluate_claims(PAPER_CLAIMS, per_seed, z=z)
+    if REFERENCE in per_seed and len(per_seed) > 1:
+        return evaluate_claims(PAPER_CLAIMS, per_seed, z=z, claimed=claimed_arms(per_seed))
     return []
 
 
@@ -348,6 +359,7 @@ def results_data(
                 "mean": v.mean,
                 "stderr": v.stderr,
                 "verdict": v.verdict,
+                "paper_claim": v.claimed,
             }
             for v in verdicts
         ],
@@ -428,7 +440,7 @@ def validation_noise_section(noise: list[dict[str, Any]]) -> list[str]:
     ]
     for row in noise:
         lines.append(
-            f"| {NAMES.get(row['model'], row['model'])} | {row['windows']} | "
+            f"| {title_of(row['model'])} | {row['windows']} | "
             f"{row['difference']:+.4f} | {row['window_sem']:.4f} | {row['seed_sd']:.4f} |"
         )
     lines += [
@@ -476,7 +488,7 @@ def print_summary(rows: list[dict[str, Any]], verdicts: list[Any]) -> None:
     if verdicts:
         print()
         for v in verdicts:
-            print(f"{NAMES.get(v.model, v.model):8} {v.claim.key:13} {v.measured():28} {v.verdict}")
+            print(f"{title_of(v.model):8} {v.claim.key:13} {v.measured():28} {v.verdict}")
 
 
 def device_lines(runs: Iterable[tuple[str, int, str | None]]) -> list[str]:
@@ -484,9 +496,7 @@ def device_lines(runs: Iterable[tuple[str, int, str | None]]) -> list[str]:
     a device other than the CPU; ``[]`` otherwise."""
     by_device: dict[str, list[str]] = {}
     for attention, seed, device in runs:
-        by_device.setdefault(device or "unknown", []).append(
-            f"{NAMES.get(attention, attention)} seed {seed}"
-        )
+        by_device.setdefault(device or "unknown", []).append(f"{title_of(attention)} seed {seed}")
     if set(by_device) <= {"cpu", "unknown"}:
         return []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -2,7 +2,8 @@
 look-alike distractors (:class:`diffattn.data.synthetic.RetrievalTask`), where the papers'
 retrieval and noise-cancellation claims can be judged on a CPU.
 
-Each attention type is trained from the same seed on the same stream of fresh episodes (the loss
+Each arm (an attention type or an ablation of one, :mod:`diffattn.compare.arms`) is trained
+from the same seed on the same stream of fresh episodes (the loss
 on the answers only), then measured on fixed test episodes shared by every model:
 
 * ``acc_<P>``: accuracy (greedy, one token) with P pairs in the context, for every P of the
@@ -17,7 +18,8 @@ on the answers only), then measured on fixed test episodes shared by every model
 * ``qacc_<b>`` / ``qdrop_<b>``: accuracy with every attention logit quantized to b bits
   (:func:`diffattn.eval.outliers.quantize_absmax`, per head and row) and its drop from the
   unquantized accuracy (DIFF V1 Fig 8);
-* ``lambda``: DIFF V1's λ per layer (Eq.2) or DIFF V2's mean token λ per layer, at the end.
+* ``lambda``: the λ per layer at the end, under the type's ``lambda_key`` (DIFF V1's λ of Eq.2,
+  DIFF V2's mean token λ).
 
 :func:`measure` takes any model the probe observes (diffattn, Hugging Face, Dex), so a
 researcher's own attention variant can be measured on the same episodes; :func:`train_model`
@@ -33,6 +35,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from diffattn.compare.arms import Arm, parse_arm
 from diffattn.data.synthetic import RetrievalTask
 
 RESULT_NAME = "retrieval.json"
@@ -57,7 +60,8 @@ class RetrievalSettings:
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
-    """Baseline heads; DIFF V1 pairs them, DIFF V2 doubles its query heads (match_params)."""
+    """Baseline heads; each type uses them as its declaration says (DIFF V1 pairs them, DIFF V2
+    doubles its query heads)."""
     steps: int = 900
     batch_size: int = 32
     """Episodes per optimizer step."""
@@ -124,32 +128,35 @@ class RetrievalSettings:
         """Pair counts training draws from: every count from the grid's smallest to largest."""
         return list(range(min(self.grid), max(self.grid) + 1))
 
-    def model_config(self, attention: str):
-        """The model for ``attention``, parameters matched across types (DIFF V1 by
-        construction, DIFF V2 through ``match_params``).
+    def model_config(self, arm: Arm | str):
+        """The model of ``arm`` (an :class:`~diffattn.compare.arms.Arm` or its spelling),
+        parameters matched across arms: by construction (DIFF V1), or by narrowing the SwiGLU
+        where the type's declaration ``matches_by_ffn`` (DIFF V2,
+        :func:`diffattn.presets.match_v2_params`).
 
-        DIFF V2's SwiGLU is matched to the unit, not to a multiple of 64: at d_model 64 one
-        64-wide step is a fifth of the model's parameters, and models this small are too small
-        for GEMM alignment to matter. The vocabulary (the task's, rounded up to 8) is not
-        padded to 64 either.
+        The SwiGLU is matched to the unit, not to a multiple of 64: at d_model 64 one 64-wide
+        step is a fifth of the model's parameters, and models this small are too small for
+        GEMM alignment to matter. The vocabulary (the task's, rounded up to 8) is not padded
+        to 64 either.
         """
         from diffattn import presets
 
+        arm = parse_arm(arm) if isinstance(arm, str) else arm
         task = self.task()
         vocab = -(-task.vocab_size // 8) * 8
-        v2 = attention == "diff_v2"
-        return presets.get(
+        config = presets.get(
             self.preset,
-            attention,
-            match_params=v2,
-            match_multiple_of=1 if v2 else None,
             vocab_size=vocab,
             d_model=self.d_model,
             n_layers=self.n_layers,
             n_heads=self.n_heads,
             head_dim=self.d_model // self.n_heads,
             max_seq_len=task.seq_len,
+            **arm.model_fields(),
         )
+        if presets.ffn_matched_layers(config):
+            config = presets.match_v2_params(config, 1)
+        return config
 
 
 def _tensors(episodes, device):
@@ -379,14 +386,19 @@ def _first(episodes):
 
 @dataclass
 class RetrievalRun:
-    """One (attention, seed) run: trained, measured, cached in ``run_dir/retrieval.json``."""
+    """One (arm, seed) run: trained, measured, cached in ``run_dir/retrieval.json``."""
 
-    attention: str
+    arm: Arm
     seed: int
     settings: RetrievalSettings
     run_dir: Path
     threads: int | None = None
     results: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def attention(self) -> str:
+        """The arm's name (its key in the results)."""
+        return self.arm.name
 
 
 def fingerprint(settings: RetrievalSettings, attention: str, seed: int) -> str:
@@ -418,7 +430,7 @@ def run_one(run: RetrievalRun) -> dict[str, Any]:
     device = used if used.startswith("cuda") else device
     started = time.perf_counter()
     cpu_started = time.process_time()
-    config = run.settings.model_config(run.attention)
+    config = run.settings.model_config(run.arm)
     torch.manual_seed(run.seed)
     model = DiffTransformerLM(config).to(device)
     curve = train_model(model, run.settings, run.seed, device)
@@ -441,13 +453,15 @@ def run_one(run: RetrievalRun) -> dict[str, Any]:
 
 
 def plan_runs(
-    out: Path, settings: RetrievalSettings, attentions: tuple[str, ...], threads: int | None
+    out: Path, settings: RetrievalSettings, arms: tuple[Arm, ...], threads: int | None
 ) -> list[RetrievalRun]:
-    """Every (attention, seed) run of the experiment, seed by seed, in ``out/retrieval``."""
+    """Every (arm, seed) run of the experiment, seed by seed, in ``out/retrieval``."""
     return [
-        RetrievalRun(a, seed, settings, Path(out) / "retrieval" / f"{a}-seed{seed}", threads)
+        RetrievalRun(
+            arm, seed, settings, Path(out) / "retrieval" / f"{arm.directory}-seed{seed}", threads
+        )
         for seed in range(settings.seeds)
-        for a in attentions
+        for arm in arms
     ]
 
 
@@ -457,10 +471,10 @@ def finished_line(run: RetrievalRun, result: dict[str, Any], done: int, total: i
 
 
 def by_type(
-    runs: list[RetrievalRun], done: dict[int, dict[str, Any]], attentions: tuple[str, ...]
+    runs: list[RetrievalRun], done: dict[int, dict[str, Any]], arms: tuple[Arm, ...]
 ) -> dict[str, list[dict[str, Any]]]:
-    """``{attention: [results per seed]}`` of finished ``runs`` (``done[i]``: run i's)."""
-    per_type: dict[str, list[dict[str, Any]]] = {a: [] for a in attentions}
+    """``{arm name: [results per seed]}`` of finished ``runs`` (``done[i]``: run i's)."""
+    per_type: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in arms}
     for index, run in enumerate(runs):
         per_type[run.attention].append(done[index])
     return per_type
@@ -469,19 +483,19 @@ def by_type(
 def run_all(
     out: Path,
     settings: RetrievalSettings,
-    attentions: tuple[str, ...],
+    arms: tuple[Arm, ...],
     jobs: int | None = None,
     say: Any = print,
     per_device: int = 1,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Every (attention, seed) run, ``jobs`` side by side (on CUDA each worker on its own
-    device, ``per_device`` runs per device at most); ``{attention: [results per seed]}`` with
+    """Every (arm, seed) run, ``jobs`` side by side (on CUDA each worker on its own
+    device, ``per_device`` runs per device at most); ``{arm name: [results per seed]}`` with
     seeds ``0 .. settings.seeds - 1`` in order."""
     from diffattn.compare.devices import holding, plan_workers, worker_pool
 
-    count = settings.seeds * len(attentions)
+    count = settings.seeds * len(arms)
     jobs, threads, devices = plan_workers(jobs, count, settings.device, per_device)
-    runs = plan_runs(out, settings, attentions, threads)
+    runs = plan_runs(out, settings, arms, threads)
     on = f" on {', '.join(devices)}" if devices else ""
     say(f"retrieval: {len(runs)} runs, {jobs} at a time{on}")
     done: dict[int, dict[str, Any]] = {}
@@ -499,4 +513,4 @@ def run_all(
                 index = futures[future]
                 done[index] = future.result()
                 say(finished_line(runs[index], done[index], len(done), len(runs)))
-    return by_type(runs, done, attentions)
+    return by_type(runs, done, arms)

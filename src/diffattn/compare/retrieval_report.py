@@ -10,8 +10,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from diffattn.compare.plots import COLOURS, _pyplot, save
-from diffattn.compare.report import NAMES, device_lines
+from diffattn.compare.arms import REFERENCE, arm_of, colours, title_of
+from diffattn.compare.plots import _pyplot, save
+from diffattn.compare.report import device_lines
 
 
 def _mean_sd(values: list[float], fmt: str) -> str:
@@ -42,11 +43,14 @@ def measurement_rows(settings: Any) -> list[tuple[str, str, str]]:
 
 
 def lambda_summary(per_type: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """λ per layer at the end of training, mean ± sd over seeds."""
+    """λ per layer at the end of training, mean ± sd over seeds, for each arm whose type has a
+    λ (its declaration's ``lambda_key`` and ``lambda_label``)."""
     lines = []
     for attention, runs in per_type.items():
-        key = "lambda" if attention == "diff_v1" else "lambda_mean"
-        per_seed = [r.get("lambda", {}).get(key) for r in runs]
+        arm = arm_of(attention)
+        if arm is None or arm.lambda_key is None:
+            continue
+        per_seed = [r.get("lambda", {}).get(arm.lambda_key) for r in runs]
         per_seed = [v for v in per_seed if v]
         if not per_seed:
             continue
@@ -54,8 +58,7 @@ def lambda_summary(per_type: dict[str, list[dict[str, Any]]]) -> list[str]:
         cells = ", ".join(
             f"layer {i + 1}: {_mean_sd(list(v), '.3f')}" for i, v in enumerate(layers)
         )
-        what = "λ (Eq.2)" if attention == "diff_v1" else "mean token λ"
-        lines.append(f"- {NAMES.get(attention, attention)} {what}: {cells}")
+        lines.append(f"- {arm.title} {arm.declaration.lambda_label}: {cells}")
     return lines
 
 
@@ -63,11 +66,16 @@ def retrieval_section(
     out: Path, settings: Any, per_type: dict[str, list[dict[str, Any]]], z: float = 2.0
 ) -> tuple[list[str], dict[str, Any], list[Path]]:
     """(markdown lines, JSON data, plots) of the retrieval experiment."""
-    from diffattn.compare.claims import RETRIEVAL_CLAIMS, claims_table, evaluate_claims
+    from diffattn.compare.claims import (
+        RETRIEVAL_CLAIMS,
+        claimed_arms,
+        claims_table,
+        evaluate_claims,
+    )
 
     verdicts = []
-    if "baseline" in per_type and len(per_type) > 1:
-        verdicts = evaluate_claims(RETRIEVAL_CLAIMS, per_type, z=z)
+    if REFERENCE in per_type and len(per_type) > 1:
+        verdicts = evaluate_claims(RETRIEVAL_CLAIMS, per_type, z=z, claimed=claimed_arms(per_type))
     plots = [
         p for p in (plot_accuracy(out, settings, per_type), plot_attention(out, per_type)) if p
     ]
@@ -103,7 +111,7 @@ def _task_paragraph(settings: Any, per_type: dict[str, list[dict[str, Any]]]) ->
         f"{list(settings.grid)}, training on every count from {min(settings.grid)} to "
         f"{max(settings.grid)}, loss on the answers only. Models: {settings.n_layers} layers, "
         f"d_model {settings.d_model}, {settings.n_heads} baseline heads; parameters "
-        + ", ".join(f"{NAMES.get(a, a)} {p:,}" for a, p in params.items() if p)
+        + ", ".join(f"{title_of(a)} {p:,}" for a, p in params.items() if p)
         + f". {settings.steps} steps of {settings.batch_size} fresh episodes, lr "
         f"{settings.lr:g}; {settings.seeds} seeds; {settings.test_episodes} fixed test "
         "episodes per pair count, the same for every model.",
@@ -117,7 +125,7 @@ def _measurements_table(settings: Any, per_type: dict[str, list[dict[str, Any]]]
     lines = ["### Retrieval measurements (mean ± sd over seeds)", ""]
     models = list(per_type)
     lines += [
-        "| measurement | " + " | ".join(NAMES.get(m, m) for m in models) + " |",
+        "| measurement | " + " | ".join(title_of(m) for m in models) + " |",
         "|---|" + "---|" * len(models),
     ]
     for key, label, fmt in measurement_rows(settings):
@@ -154,6 +162,7 @@ def _verdict_record(verdict: Any) -> dict[str, Any]:
         "mean": verdict.mean,
         "stderr": verdict.stderr,
         "verdict": verdict.verdict,
+        "paper_claim": verdict.claimed,
     }
 
 
@@ -168,10 +177,11 @@ def plot_accuracy(
     grid = list(settings.grid)
     fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
     offsets = {a: (i - (len(per_type) - 1) / 2) * 0.12 for i, a in enumerate(per_type)}
+    colour_of = colours(per_type)
     for attention, runs in per_type.items():
-        colour = COLOURS.get(attention)
+        colour = colour_of[attention]
         means = [statistics.fmean(r[f"acc_{p}"] for r in runs) for p in grid]
-        ax.plot(grid, means, color=colour, marker="o", label=NAMES.get(attention, attention))
+        ax.plot(grid, means, color=colour, marker="o", label=title_of(attention))
         for p in grid:
             ys = [r[f"acc_{p}"] for r in runs]
             ax.scatter([p + offsets[attention]] * len(ys), ys, color=colour, s=10, alpha=0.6)
@@ -201,11 +211,12 @@ def plot_attention(out: Path, per_type: dict[str, list[dict[str, Any]]]) -> Path
         len(examples), 1, figsize=(11, 2.4 * len(examples)), sharex=True, squeeze=False,
         constrained_layout=True,
     )  # fmt: skip
+    colour_of = colours(per_type)
     for ax, (attention, example) in zip(axes[:, 0], examples.items(), strict=True):
         heads = example["applied"]
         row = [statistics.fmean(col) for col in zip(*heads, strict=True)]
         xs = range(len(row))
-        ax.bar(xs, row, color=COLOURS.get(attention), width=0.9)
+        ax.bar(xs, row, color=colour_of[attention], width=0.9)
         a, b = example["answer"]
         ax.axvspan(a - 0.5, b - 0.5, color="green", alpha=0.2, label="queried pair")
         for i, (c, d) in enumerate(example["lookalikes"]):
@@ -217,7 +228,7 @@ def plot_attention(out: Path, per_type: dict[str, list[dict[str, Any]]]) -> Path
         ax.axhline(0, color="black", lw=0.6)
         verdict = "right" if example["correct"] else "wrong"
         ax.set_title(
-            f"{NAMES.get(attention, attention)}: layer {example['layer'] + 1}, query at position "
+            f"{title_of(attention)}: layer {example['layer'] + 1}, query at position "
             f"{example['position']} ({verdict}), mean over heads",
             fontsize="small",
         )

@@ -22,12 +22,13 @@ from typing import Any
 def shared_plan(options: Any, base: Any, configs: dict, retrieval: Any) -> tuple | None:
     """``(jobs, threads, devices)`` when both parts would run on the same workers (more than
     one) and can share a pool, else ``None`` (each part then runs on its own)."""
+    from diffattn.compare.arms import parse_arms
     from diffattn.compare.devices import plan_workers
 
     if options.part != "all":
         return None
     per_device = options.jobs_per_device
-    runs = retrieval.seeds * len(options.attentions)
+    runs = retrieval.seeds * len(parse_arms(options.attentions))
     first = plan_workers(options.jobs, runs, retrieval.device, per_device)
     second = plan_workers(options.jobs, len(configs), str(base.device), per_device)
     if first != second or first[0] < 2:
@@ -47,6 +48,7 @@ def run_both(
     """Run every retrieval and language-modelling run of the plan in one pool of ``plan``'s
     workers (see the module docstring); returns the retrieval results per type, the
     language-modelling summaries and the prepared data."""
+    from diffattn.compare.arms import parse_arms
     from diffattn.compare.devices import worker_pool
     from diffattn.compare.language_modelling import (
         _train_and_measure,
@@ -57,7 +59,8 @@ def run_both(
     from diffattn.compare.retrieval import by_type, finished_line, plan_runs, run_one
 
     jobs, threads, devices = plan
-    runs = plan_runs(out, retrieval, options.attentions, threads)
+    arms = parse_arms(options.attentions)
+    runs = plan_runs(out, retrieval, arms, threads)
     on = f" on {', '.join(devices)}" if devices else ""
     say(f"diffattn compare: both parts in one pool of {jobs} workers{on}")
     say(f"retrieval: {len(runs)} runs; language modelling: {len(configs)} runs")
@@ -83,7 +86,7 @@ def run_both(
             for future in futures:
                 future.cancel()
             raise
-    per_type = by_type(runs, finished["retrieval"], options.attentions)
+    per_type = by_type(runs, finished["retrieval"], arms)
     return per_type, lm_summaries(work, finished["lm"]), prepared
 
 
