@@ -556,7 +556,7 @@ SURFACE: dict[str, dict[str, Any]] = {
  'diffattn scaling': {'options': ['--attention', '--axis', '--config', '--count', '--device',
                                   '--from-results', '--help', '--out', '--overwrite', '--quiet',
                                   '--set', '--sizes', '--steps', '--tokens', '-h'],
-                      'digest': 'dda61d187eb36bc1',
+                      'digest': 'f65501a558eb0169',
                       'defaults': {'verb': 'scaling',
                                    'out': 'runs/scaling',
                                    'config': None,

@@ -160,8 +160,9 @@ def test_from_results_json_and_csv_write_report_figure_and_results(tmp_path):
 @pytest.mark.parametrize(
     ("rows", "message"),
     [
-        ([{"attention": "baseline", "x": 1e6, "loss": 3.0}], "DIFF"),
-        ([{"attention": "gpt", "x": 1e6, "loss": 3.0}], "attention must be one of"),
+        ([{"attention": "baseline", "x": 1e6, "loss": 3.0}], "another arm"),
+        ([{"attention": "gpt", "x": 1e6, "loss": 3.0}], "unknown attention type 'gpt'"),
+        ([{"attention": "diff_v1:colour=red", "x": 1e6, "loss": 3.0}], "no option of diff_v1"),
         ([{"attention": "baseline", "loss": 3.0}], "no x value"),
         ([{"attention": "baseline", "x": "big", "loss": 3.0}], "must be numbers"),
         (

@@ -24,8 +24,6 @@ NOT_YET: dict[str, int] = {
     # backends pick an entry point, not a type)
     "bench/backends.py": 3,
     "bench/report.py": 1,
-    "scaling/plan.py": 2,
-    "scaling/report.py": 2,
 }
 
 

@@ -13,7 +13,9 @@ DESCRIPTION = (
     "needs to match the Transformer (paper: 62.2%, 59.5%, 63.7%) in OUT/report.md, "
     "results.json and scaling.png. --from-results fits finished runs or a JSON/CSV of points "
     "instead. A size is PRESET, PRESET:key=value,... or key=value,... (model fields), e.g. "
-    "--sizes d_model=64,n_heads=4 d_model=96,n_heads=6 tiny."
+    "--sizes d_model=64,n_heads=4 d_model=96,n_heads=6 tiny. --attention takes any registered "
+    "attention type or an ablation of one as TYPE:option=value,... (e.g. "
+    "diff_v1:lambda_init=0.8) besides the baseline."
 )
 
 

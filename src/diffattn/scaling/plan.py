@@ -1,4 +1,9 @@
-"""The runs of a scaling sweep: sizes (Fig 3a) or token counts (Fig 3b) × attention types.
+"""The runs of a scaling sweep: sizes (Fig 3a) or token counts (Fig 3b) × arms.
+
+The arms are those of ``diffattn compare`` (:mod:`diffattn.compare.arms`): any registered
+attention type, or an ablation of one (``TYPE:option=value,...``), each at the baseline's
+parameter count (a type that ``matches_by_ffn``, as DIFF V2, with its SwiGLU narrowed); the
+baseline is the arm the others are fitted against.
 
 A size is ``PRESET``, ``PRESET:key=value,...`` or ``key=value,...`` (model fields over the
 recipe's preset), e.g. ``tiny:d_model=64,n_heads=4``. Every run of a sweep starts from the
@@ -16,14 +21,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from diffattn.compare.arms import REFERENCE, matched_config, parse_arms
 from diffattn.settings import Settings, progress_switch, setting
 from diffattn.train.cli import recipe_overrides
 
 ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
+"""The default arms: the papers' three types."""
 AXES = ("params", "tokens")
 COUNTS = ("non_embedding", "total")
 
@@ -66,6 +74,7 @@ class PlannedRun:
     """One training run and the points it gives."""
 
     attention: str
+    """The arm's name (:attr:`diffattn.compare.arms.Arm.name`)."""
     name: str
     """Directory name under ``OUT/runs``."""
     config: Any
@@ -103,9 +112,12 @@ class ScalingOptions(Settings):
         dest="attention",
         nargs="+",
         parse=tuple,
-        choices=ATTENTIONS,
-        help="attention types (baseline and at least one DIFF type; default: all three)",
+        metavar="ARM",
+        help="arms: baseline and at least one other, each a registered attention type or an "
+        "ablation of one as TYPE:option=value,... (e.g. diff_v1:lambda_init=0.8); "
+        "default: baseline diff_v1 diff_v2",
     )
+    """The arms (:mod:`diffattn.compare.arms`), as spelled."""
     count: str = setting(
         "non_embedding",
         choices=COUNTS,
@@ -141,14 +153,9 @@ def _check_options(options: ScalingOptions) -> None:
         raise ValueError(f"--axis: choose one of {', '.join(AXES)}, got {options.axis!r}")
     if options.count not in COUNTS:
         raise ValueError(f"--count: choose one of {', '.join(COUNTS)}, got {options.count!r}")
-    attentions = options.attentions
-    unknown = [a for a in attentions if a not in ATTENTIONS]
-    if unknown:
-        raise ValueError(f"--attention: unknown {unknown}; choose from {', '.join(ATTENTIONS)}")
-    if "baseline" not in attentions or len(attentions) < 2:
-        raise ValueError("--attention: the sweep needs baseline and at least one DIFF type")
-    if len(set(attentions)) != len(attentions):
-        raise ValueError("--attention: each attention type may appear once")
+    arms = [arm.name for arm in parse_arms(options.attentions, "--attention")]
+    if REFERENCE not in arms or len(arms) < 2:
+        raise ValueError(f"--attention: the sweep needs {REFERENCE} and at least one other arm")
     if options.axis == "params":
         if options.tokens:
             raise ValueError("--tokens belongs to --axis tokens")
@@ -210,18 +217,16 @@ def plan_runs(options: ScalingOptions) -> tuple[Any, list[PlannedRun]]:
 
     runs: list[PlannedRun] = []
     for label, size_overrides in variants:
-        for attention in options.attentions:
-            run_overrides = [*overrides, *size_overrides, f"model.attention={attention}"]
-            if attention == "diff_v2":
-                run_overrides.append("model.match_params=true")
+        for arm in parse_arms(options.attentions, "--attention"):
+            run_overrides = [*overrides, *size_overrides, *arm.recipe_overrides()]
             if options.axis == "params" and base.eval_every == 0:
                 run_overrides.append(f"eval_every={base.steps}")
-            config = load_config(recipe, run_overrides)
+            config = matched_config(arm, partial(load_config, recipe), run_overrides)
             model = config.model_config()
             check_runtime(config, env)
             run = PlannedRun(
-                attention=attention,
-                name=f"{attention}-{label}",
+                attention=arm.name,
+                name=f"{arm.directory}-{label}",
                 config=config,
                 size=label,
                 parameters=count_parameters(model),

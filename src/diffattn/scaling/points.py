@@ -6,15 +6,16 @@ at one x: a parameter count N or a token count D.
 ``--from-results`` reads:
 
 * training run directories (``config.yaml`` + ``metrics.jsonl`` of ``diffattn train`` or a
-  sweep): the attention type from the recipe; for the params axis N from the recipe's model
+  sweep): the arm from the recipe's model (its type, options and changed type fields:
+  :func:`diffattn.compare.arms.arm_of_model`); for the params axis N from the recipe's model
   and the final validation loss; for the tokens axis every validation loss, at the tokens
   seen by then;
 * a JSON file: a list of rows, or a mapping with ``points`` (a ``results.json`` of
   ``diffattn scaling``);
 * a CSV file with a header.
 
-Rows hold ``attention`` (``baseline``, ``diff_v1``, ``diff_v2``), ``loss`` and x as ``x``,
-``parameters`` or ``tokens``.
+Rows hold ``attention`` (an arm: ``baseline``, ``diff_v1``, ``gda:ratio=3``, ...; see
+:mod:`diffattn.compare.arms`), ``loss`` and x as ``x``, ``parameters`` or ``tokens``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from diffattn.compare.arms import arm_of_model, parse_arm
 
 X_KEYS = ("x", "parameters", "tokens")
 
@@ -41,15 +44,13 @@ class Point:
         return asdict(self)
 
 
-def _row_point(row: dict[str, Any], where: str, attentions: tuple[str, ...]) -> Point:
+def _row_point(row: dict[str, Any], where: str) -> Point:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a mapping with attention, x and loss, got {row!r}")
-    attention = str(row.get("attention", "")).strip()
-    if attention not in attentions:
-        raise ValueError(
-            f"{where}: attention must be one of {', '.join(attentions)}, got "
-            f"{row.get('attention')!r}"
-        )
+    try:
+        attention = parse_arm(str(row.get("attention", ""))).name
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
     key = next((k for k in X_KEYS if row.get(k) not in (None, "")), None)
     if key is None:
         raise ValueError(f"{where}: no x value (one of the columns {', '.join(X_KEYS)})")
@@ -73,9 +74,9 @@ def _run_points(run_dir: Path, axis: str, count: str) -> list[Point]:
     records = [r for r in read_metrics(run_dir) if "val_loss" in r]
     if not records:
         raise ValueError(f"{run_dir}: no validation loss in metrics.jsonl (eval_every 0?)")
-    attention = config.model.attention
+    model = config.model_config()
+    attention = arm_of_model(model).name
     if axis == "params":
-        model = config.model_config()
         n = count_parameters(model, exclude_embeddings=count == "non_embedding")
         last = records[-1]
         return [Point(attention, float(n), float(last["val_loss"]), str(run_dir))]
@@ -86,10 +87,9 @@ def _run_points(run_dir: Path, axis: str, count: str) -> list[Point]:
     ]
 
 
-def read_points(
-    paths: list[str | Path], axis: str, count: str, attentions: tuple[str, ...]
-) -> list[Point]:
-    """Points from run directories, JSON and CSV files (see the module docstring)."""
+def read_points(paths: list[str | Path], axis: str, count: str) -> list[Point]:
+    """Points from run directories, JSON and CSV files (see the module docstring), each named
+    by its arm's canonical spelling."""
     points: list[Point] = []
     for raw in paths:
         path = Path(raw)
@@ -107,18 +107,15 @@ def read_points(
             rows = data.get("points") if isinstance(data, dict) else data
             if not isinstance(rows, list):
                 raise ValueError(f"--from-results {path}: expected a list of rows or 'points'")
-            points += [_row_point(r, f"{path}[{i}]", attentions) for i, r in enumerate(rows)]
+            points += [_row_point(r, f"{path}[{i}]") for i, r in enumerate(rows)]
         elif path.suffix.lower() == ".csv":
             with path.open(encoding="utf-8", newline="") as handle:
                 rows = list(csv.DictReader(handle))
-            points += [_row_point(r, f"{path}:{i + 2}", attentions) for i, r in enumerate(rows)]
+            points += [_row_point(r, f"{path}:{i + 2}") for i, r in enumerate(rows)]
         else:
             raise ValueError(
                 f"--from-results {path}: expected a run directory, a .json or a .csv file"
             )
-    unknown = sorted({p.attention for p in points} - set(attentions))
-    if unknown:
-        raise ValueError(f"--from-results: unknown attention types {unknown}")
     return points
 
 

@@ -1,9 +1,11 @@
 """Fits, shares and the figure of a scaling sweep: ``results.json``, ``report.md``, ``scaling.png``.
 
-For every attention type, L(x) = a·x^−α + c is fitted to its points (:mod:`.fit`); for every
-DIFF type the share of x it needs to match the Transformer is read off the two fits at each
-measured Transformer x and, the other way round, at each measured DIFF x, next to DIFF V1's
-reported shares (§3.2: 62.2% and 59.5% of the parameters, 63.7% of the tokens).
+For every arm, L(x) = a·x^−α + c is fitted to its points (:mod:`.fit`); for every arm other
+than the baseline (DIFF V1, DIFF V2, another type, an ablation) the share of x it needs to
+match the Transformer is read off the two fits at each measured Transformer x and, the other
+way round, at each measured x of its own, next to DIFF V1's reported shares (§3.2: 62.2% and
+59.5% of the parameters, 63.7% of the tokens). Arms are named and coloured by their type's
+declaration (:mod:`diffattn.compare.arms`).
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from diffattn.compare.arms import REFERENCE, colours, title_of
 from diffattn.scaling.fit import PowerLawFit, Share, fit_power_law, share_needed
 from diffattn.scaling.points import Point
 
-NAMES = {"baseline": "Transformer", "diff_v1": "DIFF V1", "diff_v2": "DIFF V2"}
 PAPER_SHARES = {
     "params": [
         "6.8B DIFF matches an 11B Transformer: 62.2% of the parameters",
@@ -28,30 +30,29 @@ UNIT = {"params": "N", "tokens": "D"}
 
 
 def fit_all(points: list[Point], axis: str) -> dict[str, Any]:
-    """Fits per attention type and shares per DIFF type (ValueError when a fit is impossible)."""
+    """Fits per arm and shares per arm other than the baseline (ValueError when a fit is
+    impossible)."""
     by_type: dict[str, list[Point]] = {}
     for point in points:
         by_type.setdefault(point.attention, []).append(point)
-    if "baseline" not in by_type:
-        raise ValueError("no Transformer (baseline) points: the shares need its fit")
+    if REFERENCE not in by_type:
+        raise ValueError(f"no Transformer ({REFERENCE}) points: the shares need its fit")
     if len(by_type) < 2:
-        raise ValueError("no DIFF points: give baseline and at least one DIFF type")
+        raise ValueError(f"no points of another arm: give {REFERENCE} and at least one other")
     fits: dict[str, PowerLawFit] = {}
     for attention, mine in by_type.items():
         mine.sort(key=lambda p: p.x)
-        what = f"{NAMES.get(attention, attention)} ({len(mine)} points)"
+        what = f"{title_of(attention)} ({len(mine)} points)"
         fits[attention] = fit_power_law([p.x for p in mine], [p.loss for p in mine], what)
     shares: dict[str, list[Share]] = {}
+    reference = fits[REFERENCE]
     for attention in by_type:
-        if attention == "baseline":
+        if attention == REFERENCE:
             continue
         rows = [
-            share_needed(fits["baseline"], fits[attention], p.x, "transformer")
-            for p in by_type["baseline"]
+            share_needed(reference, fits[attention], p.x, "transformer") for p in by_type[REFERENCE]
         ]
-        rows += [
-            share_needed(fits["baseline"], fits[attention], p.x, "diff") for p in by_type[attention]
-        ]
+        rows += [share_needed(reference, fits[attention], p.x, "diff") for p in by_type[attention]]
         shares[attention] = rows
     return {"by_type": by_type, "fits": fits, "shares": shares}
 
@@ -87,9 +88,7 @@ def render(fitted: dict[str, Any], axis: str, count: str, header: str = "") -> s
     lines += ["| model | " + unit + " | loss | from |", "|---|---|---|---|"]
     for attention, mine in fitted["by_type"].items():
         for p in mine:
-            lines.append(
-                f"| {NAMES.get(attention, attention)} | {p.x:,.0f} | {p.loss:.4f} | `{p.source}` |"
-            )
+            lines.append(f"| {title_of(attention)} | {p.x:,.0f} | {p.loss:.4f} | `{p.source}` |")
     lines += ["", f"## Fits: L({unit}) = a·{unit}^−α + c (±1σ)", ""]
     lines += ["| model | points | a | α | c | rmse | note |", "|---|---|---|---|---|---|---|"]
     for attention, fit in fitted["fits"].items():
@@ -99,7 +98,7 @@ def render(fitted: dict[str, Any], axis: str, count: str, header: str = "") -> s
         if fit.at_bound:
             note.append("at a bound: " + ", ".join(fit.at_bound))
         lines.append(
-            f"| {NAMES.get(attention, attention)} | {fit.points} | {_pm(fit.a, fit.a_err)} | "
+            f"| {title_of(attention)} | {fit.points} | {_pm(fit.a, fit.a_err)} | "
             f"{_pm(fit.alpha, fit.alpha_err)} | {_pm(fit.c, fit.c_err)} | {fit.rmse:.2g} | "
             f"{'; '.join(note)} |"
         )
@@ -115,7 +114,7 @@ def render(fitted: dict[str, Any], axis: str, count: str, header: str = "") -> s
         for row in rows:
             given = "Transformer size" if row.direction == "transformer" else "DIFF size"
             lines.append(
-                f"| {NAMES.get(attention, attention)} | {given} | {_size(row.transformer, axis)} "
+                f"| {title_of(attention)} | {given} | {_size(row.transformer, axis)} "
                 f"| {_size(row.diff, axis)} | {_share_cell(row)} |"
             )
     lines += ["", "Paper (DIFF V1 §3.2, Fig 3, DIFF V1 vs Transformer):", ""]
@@ -124,7 +123,8 @@ def render(fitted: dict[str, Any], axis: str, count: str, header: str = "") -> s
 
 
 def plot(fitted: dict[str, Any], axis: str, path: Path) -> Path:
-    """Loss against x (log scale): points and fitted curves per attention type."""
+    """Loss against x (log scale): points and fitted curves per arm, in its declaration's
+    colour (:func:`diffattn.compare.arms.colours`)."""
     import numpy as np
 
     from diffattn.eval.common import pyplot, save_figure
@@ -133,10 +133,11 @@ def plot(fitted: dict[str, Any], axis: str, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     xs = [p.x for mine in fitted["by_type"].values() for p in mine]
     grid = np.geomspace(min(xs) / 1.5, max(xs) * 1.5, 200)
-    for index, (attention, mine) in enumerate(fitted["by_type"].items()):
-        color = f"C{index}"
+    colour_of = colours(fitted["by_type"])
+    for attention, mine in fitted["by_type"].items():
+        color = colour_of[attention]
         fit = fitted["fits"][attention]
-        label = f"{NAMES.get(attention, attention)}: {fit.a:.3g}·x^−{fit.alpha:.3g} + {fit.c:.3g}"
+        label = f"{title_of(attention)}: {fit.a:.3g}·x^−{fit.alpha:.3g} + {fit.c:.3g}"
         ax.plot(grid, fit.predict(grid), color=color, label=label)
         ax.scatter([p.x for p in mine], [p.loss for p in mine], color=color, zorder=3)
     ax.set_xscale("log")
@@ -187,4 +188,4 @@ def _finite(value: Any) -> Any:
     return value
 
 
-__all__ = ["NAMES", "PAPER_SHARES", "fit_all", "plot", "render", "write"]
+__all__ = ["PAPER_SHARES", "fit_all", "plot", "render", "write"]

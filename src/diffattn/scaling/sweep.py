@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from diffattn.compare.arms import parse_arms
 from diffattn.scaling.plan import (
-    ATTENTIONS,
     AXES,
     COUNTS,
     PlannedRun,
@@ -122,9 +122,8 @@ def fit_results(
         raise ValueError(f"--count: choose one of {', '.join(COUNTS)}, got {count!r}")
     if not sources:
         raise ValueError("--from-results: give run directories or a .json/.csv file")
-    points = [
-        p for p in read_points(list(sources), axis, count, ATTENTIONS) if p.attention in attentions
-    ]
+    wanted = {arm.name for arm in parse_arms(attentions, "--attention")}
+    points = [p for p in read_points(list(sources), axis, count) if p.attention in wanted]
     fitted = report.fit_all(points, axis)
     settings = {"axis": axis, "count": count, "from_results": [str(s) for s in sources]}
     paths = report.write(Path(out), fitted, axis, count, settings, _header())
