@@ -20,10 +20,6 @@ from diffattn.attention.types import attention_type, attention_type_names
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "diffattn"
 
 NOT_YET: dict[str, int] = {
-    # the kernels' entry points share the names diff_v1/diff_v2 (``auto`` and the bench of
-    # backends pick an entry point, not a type)
-    "bench/backends.py": 3,
-    "bench/report.py": 1,
 }
 
 

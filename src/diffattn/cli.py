@@ -27,28 +27,74 @@ VERBS: tuple[tuple[str, str], ...] = (
 
 
 def _presets_command(args: argparse.Namespace) -> int:
-    """Parameter counts per type, and DIFF V2's matched SwiGLU width with the difference
-    from the baseline that rounding it to a multiple of 64 leaves (presets.match_v2_params)."""
+    """Parameter counts per attention type, and the SwiGLU width of each type matched by
+    narrowing it (``AttentionType.matches_by_ffn``; DIFF V2) with the difference from the
+    baseline that rounding it to a multiple of 64 leaves (presets.match_v2_params). The first
+    table has the types ``diffattn bench`` times by default (the papers' three), then every
+    other registered type; with a preset named, each type's heads (``AttentionType.describe``)."""
     from diffattn import presets
+    from diffattn.attention.types import attention_type, attention_type_names
+    from diffattn.bench.options import default_types
     from diffattn.model import count_parameters
 
     names = [args.name] if args.name else presets.names()
-    columns = ("baseline", "diff_v1", "diff_v2", "v2 matched")
-    print(f"{'preset':>7} " + " ".join(f"{c:>15}" for c in columns) + " v2 ffn  v2 vs base")
+    first = default_types()
+    matched = [t for t in first if _matched_by_ffn(presets, t)]
+    columns = (*first, *(f"{t} matched" for t in matched))
+    print(
+        f"{'preset':>7} "
+        + " ".join(f"{c:>15}" for c in columns)
+        + "".join(f" {t} ffn  {t} vs base" for t in matched)
+    )
     for name in names:
-        counts = [
-            count_parameters(presets.get(name, attention=attention))
-            for attention in ("baseline", "diff_v1", "diff_v2")
-        ]
-        matched = presets.get(name, "diff_v2", match_params=True)
-        counts.append(count_parameters(matched))
-        difference = (counts[-1] - counts[0]) / counts[0]
-        print(
-            f"{name:>7} "
-            + " ".join(f"{c:>15,}" for c in counts)
-            + f" {matched.ffn_dim:>6} {difference:>+10.3%}"
-        )
+        counts = [count_parameters(presets.get(name, attention=t)) for t in first]
+        cells = [f"{c:>15,}" for c in counts]
+        tail = ""
+        for t in matched:
+            config = presets.get(name, t, match_params=True)
+            count = count_parameters(config)
+            cells.append(f"{count:>15,}")
+            tail += f" {config.ffn_dim:>6} {(count - counts[0]) / counts[0]:>+10.3%}"
+        print(f"{name:>7} " + " ".join(cells) + tail)
+    others = [t for t in attention_type_names() if t not in first]
+    if others:
+        print("other attention types (matched: the SwiGLU narrowed to the baseline's count):")
+        for name in names:
+            base = count_parameters(presets.get(name))
+            for t in others:
+                print(f"{name:>7} {t:<12} {_other_row(presets, name, t, base)}")
+    if args.name:
+        for t in (*first, *others):
+            try:
+                config = presets.get(args.name, attention=t)
+            except ValueError as error:
+                print(f"{t}: does not fit {args.name}: {error}")
+                continue
+            print(f"{t}: {attention_type(t).describe(config)}")
     return 0
+
+
+def _matched_by_ffn(presets, type_name: str) -> bool:
+    """Whether ``type_name`` narrows the SwiGLU to match the baseline (at the tiny preset)."""
+    config = presets.get("tiny", attention=type_name)
+    return config.type_of_layer(0).matches_by_ffn(config)
+
+
+def _other_row(presets, preset: str, type_name: str, base: int) -> str:
+    """The parameter count of ``type_name`` at ``preset`` (and matched, where it narrows the
+    SwiGLU), or why its heads do not fit the preset."""
+    from diffattn.model import count_parameters
+
+    try:
+        config = presets.get(preset, attention=type_name)
+    except ValueError as error:
+        return f"does not fit: {error}"
+    text = f"{count_parameters(config):>15,}"
+    if config.type_of_layer(0).matches_by_ffn(config):
+        narrowed = presets.get(preset, type_name, match_params=True)
+        count = count_parameters(narrowed)
+        text += f"  matched {count:>15,} ffn {narrowed.ffn_dim:>6} {(count - base) / base:>+10.3%}"
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,8 @@
 behind it.
 
 Without options it lists the registered backends (usable here or why not) and, for every
-attention entry point (``softmax``: the baseline; ``diff_v1``; ``diff_v2``) and call shape
+attention entry point (``softmax``: the baseline and every type built on softmax attention;
+``diff_v1``; ``diff_v2``: ``AttentionType.entry`` names the one a type calls) and call shape
 (:class:`~diffattn.attention.auto.Call`: training, prefill, one-token decode, each with and
 without padding; a custom 4-D mask; a traced static-cache decode step), the backend ``auto``
 resolves to on this machine, by the same function the models call
@@ -40,7 +41,13 @@ from diffattn.attention.kernels import (
     softmax_attention,
 )
 from diffattn.attention.mask import AttentionMask
-from diffattn.attention.registry import backend_names, get_backend
+from diffattn.attention.registry import (
+    ENTRY_DIFF,
+    ENTRY_DIFF_V2,
+    ENTRY_SOFTMAX,
+    backend_names,
+    get_backend,
+)
 from diffattn.settings import Settings, setting
 
 HEAD_DIM = 64
@@ -60,12 +67,16 @@ CASES = (
 )
 """The calls listed; ``traced`` (a static-cache decode step inside ``torch.compile``) is not
 timed."""
-OWN_KERNELS = {
-    "softmax": ("sdpa", "flash", "reference"),
-    "diff_v1": ("sdpa", "fused", "triton", "flash", "reference"),
-    "diff_v2": ("sdpa", "flash", "reference"),
-}
-"""Backends with a kernel of their own for each entry point (the others run ``sdpa``'s)."""
+LISTED = ("sdpa", "fused", "triton", "flash", "reference")
+"""The order backends are timed in (others registered follow in registration order)."""
+
+
+def own_kernels(entry: str) -> tuple[str, ...]:
+    """``sdpa`` and the backends with a kernel of their own for ``entry`` (the others run
+    ``sdpa``'s: :func:`diffattn.attention.auto.brings_own_kernel`), in :data:`LISTED` order."""
+    names = [n for n in backend_names() if n != "auto"]
+    ordered = [n for n in LISTED if n in names] + [n for n in names if n not in LISTED]
+    return tuple(n for n in ordered if n == "sdpa" or auto.brings_own_kernel(n, entry))
 
 
 @dataclass(frozen=True)
@@ -140,13 +151,13 @@ def make_call(
     def t(*size):
         return torch.randn(*size, device=device, dtype=dtype).requires_grad_(grad)
 
-    if entry == "softmax":
+    if entry == ENTRY_SOFTMAX:
         inputs = (t(b, h, n, d), t(b, kv, s, d), t(b, kv, s, d))
 
         def fn(backend):
             return softmax_attention(*inputs, mask, scale, backend)[0]
 
-    elif entry == "diff_v1":
+    elif entry == ENTRY_DIFF:
         hd, kvd = h // 2, max(1, kv // 2)
         qs = (t(b, hd, n, d), t(b, hd, n, d))
         ks = (t(b, kvd, s, d), t(b, kvd, s, d))
@@ -156,7 +167,7 @@ def make_call(
         def fn(backend):
             return differential_attention(*inputs, mask, scale, backend)[0]
 
-    elif entry == "diff_v2":
+    elif entry == ENTRY_DIFF_V2:
         lam = torch.rand(b, h, n, 1, device=device, dtype=dtype).requires_grad_(grad)
         inputs = (t(b, 2 * h, n, d), t(b, kv, s, d), t(b, kv, s, d), lam)
 
@@ -182,7 +193,7 @@ def _tiny_call(entry: str, case: str, device, dtype, head_dim: int):
     _, inputs = make_call(entry, case, shape, device, dtype)
     decode = case.startswith("decode") or case == "traced"
     mask = _mask(case, 2, 1 if decode else 8, 8, device)
-    return inputs, mask, inputs[2] if entry == "diff_v1" else inputs[1]
+    return inputs, mask, inputs[2] if entry == ENTRY_DIFF else inputs[1]
 
 
 def auto_choice(entry: str, case: str, device, dtype, head_dim: int = HEAD_DIM) -> str:
@@ -198,7 +209,7 @@ def auto_choice(entry: str, case: str, device, dtype, head_dim: int = HEAD_DIM) 
 
 def sdpa_diff_v1_route(case: str, device, dtype, head_dim: int = HEAD_DIM) -> str:
     """The route the ``sdpa`` backend takes for DIFF V1 calls of ``case`` here."""
-    inputs, mask, k = _tiny_call("diff_v1", case, device, dtype, head_dim)
+    inputs, mask, k = _tiny_call(ENTRY_DIFF, case, device, dtype, head_dim)
     with torch.set_grad_enabled(case.startswith("train")):
         return diff_v1_route(inputs[0], k, inputs[4], mask)
 
@@ -234,8 +245,7 @@ def listing(device: str, dtypes: list[str], head_dim: int = HEAD_DIM) -> str:
 
 def candidates(entry: str, case: str, device, dtype, with_reference: bool) -> list[str]:
     """Backends timed for ``entry`` and ``case``: those with their own kernel, usable here."""
-    names = [n for n in OWN_KERNELS[entry] if n in backend_names()]
-    names = [n for n in names if usable_here(n, device, dtype) is None]
+    names = [n for n in own_kernels(entry) if usable_here(n, device, dtype) is None]
     if not with_reference:
         names = [n for n in names if n != "reference"]
     return names

@@ -1,6 +1,7 @@
 """The models ``diffattn bench`` times and how each one is called.
 
-Ours (baseline, DIFF V1, DIFF V2) are built at matched parameters (see
+Ours (baseline, DIFF V1, DIFF V2, and any registered attention type ``--models`` names) are
+built at matched parameters (see
 :mod:`diffattn.bench.throughput`); with ``transformers`` importable, HF ``LlamaForCausalLM`` and
 ``DiffLlamaForCausalLM`` join them at the same size, and with ``--dex`` two copies of that HF
 Llama with Dex on half of every layer's heads (Dex §3.2 adapts the top half): one with the
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from diffattn.attention.baseline import BASELINE
 from diffattn.attention.kernels import resolve_backend
 from diffattn.bench.backends import auto_choice
 from diffattn.cache import DynamicCache, StaticCache
@@ -39,8 +41,10 @@ from diffattn.generation import compiled_decode_step, decode_step, mark_static_c
 from diffattn.model import DiffTransformerLM
 
 DEX_ROWS = ("dex_unmerged", "dex_merged")
-ENTRY_OF = {"baseline": "softmax", "diff_v1": "diff_v1", "diff_v2": "diff_v2"}
-"""The attention entry point each model type calls."""
+HF_ROWS = ("hf_llama", "hf_diffllama")
+"""The Hugging Face rows: Llama (the reference of the HF rows) and DiffLlama."""
+REFERENCE = BASELINE.name
+"""The row each of our rows is compared with: the matched Transformer baseline."""
 MODE_CASES = {"fwd": "prefill", "fwd+bwd": "train", "decode": "decode"}
 """The call shape of each bench mode, as ``auto`` sees it."""
 
@@ -71,6 +75,8 @@ class Candidate:
     """How the kernel computes DIFF V1 (:func:`~diffattn.flops.v1_form_for_kernel`)."""
     mode_kernels: dict[str, str] | None = None
     """The kernel of each mode when it differs by call (``auto`` resolves per call)."""
+    ours: bool = False
+    """A diffattn model (``--compile`` compiles its blocks), not a Hugging Face one."""
 
     def kernel_in(self, mode: str) -> str:
         """The attention kernel this row runs in ``mode``."""
@@ -183,8 +189,10 @@ def hf_decode(model: torch.nn.Module):
 def our_candidates(
     configs: dict[str, ModelConfig], device, dtype, compiled: bool = False
 ) -> list[Candidate]:
-    """Baseline, DIFF V1 and DIFF V2 on the backend of ``configs`` (``compiled``: their calls
-    are traced by ``torch.compile``, which ``auto`` resolves as such)."""
+    """One model per config of ``configs`` (baseline, DIFF V1, DIFF V2, ...) on its backend
+    (``compiled``: their calls are traced by ``torch.compile``, which ``auto`` resolves as
+    such). ``auto`` is resolved for the kernel entry point each type calls
+    (``AttentionType.entry``)."""
     probe = torch.empty(0, device=device, dtype=dtype)
     out = []
     for name, config in configs.items():
@@ -192,7 +200,7 @@ def our_candidates(
         model = DiffTransformerLM(config).to(device=device, dtype=dtype)
         mode_kernels = None
         if config.backend == "auto":  # resolved per call: what each mode's calls run on
-            entry = ENTRY_OF[config.attention]
+            entry = config.single_type("diffattn bench").entry
             cases = dict.fromkeys(MODE_CASES, "traced") if compiled else MODE_CASES
             mode_kernels = {
                 mode: auto_choice(entry, case, device, dtype, config.dim_per_head)
@@ -209,13 +217,14 @@ def our_candidates(
                 model=model,
                 params=model.num_parameters(),
                 kernel=kernel,
-                reference="baseline",
+                reference=REFERENCE,
                 call=lambda ids, labels, m=model: m(ids, labels=labels),
                 decode=our_decode(model, cache, compiled),
                 config=config,
                 cache=cache,
                 v1_form=v1_form_for_kernel(kernel),
                 mode_kernels=mode_kernels,
+                ours=True,
             )
         )
     return out
@@ -235,7 +244,7 @@ def _hf_candidate(name, model, config, extra_flops=0.0) -> Candidate:
         model=model,
         params=sum(p.numel() for p in model.parameters()),
         kernel=model.config._attn_implementation,
-        reference="hf_llama",
+        reference=HF_ROWS[0],
         call=lambda ids, labels, m=model: m(input_ids=ids, labels=labels, use_cache=False),
         decode=hf_decode(model),
         config=config,
@@ -261,11 +270,11 @@ def hf_candidates(configs: dict[str, ModelConfig], device, dtype) -> list[Candid
     from diffattn.convert.diffllama import diffattn_config_to_diffllama
     from diffattn.convert.llama import diffattn_config_to_llama
 
-    base = configs["baseline"]
+    base = configs[REFERENCE]
     specs = (
-        ("hf_llama", diffattn_config_to_llama(base), LlamaForCausalLM, "baseline"),
+        (HF_ROWS[0], diffattn_config_to_llama(base), LlamaForCausalLM, REFERENCE),
         (
-            "hf_diffllama",
+            HF_ROWS[1],
             diffattn_config_to_diffllama(configs["diff_v1"]),
             DiffLlamaForCausalLM,
             "diff_v1",

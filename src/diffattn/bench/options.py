@@ -16,11 +16,11 @@ import torch
 
 from diffattn.attention.kernels import resolve_backend
 from diffattn.attention.registry import backend_names
+from diffattn.attention.types import attention_type, attention_type_names
 from diffattn.bench.backends import DEVICES, DTYPES, HEAD_DIM, BackendsSettings
-from diffattn.bench.models import DEX_ROWS, hf_available
+from diffattn.bench.models import DEX_ROWS, HF_ROWS, REFERENCE, hf_available
 from diffattn.settings import Settings, like, setting
 
-ATTENTIONS = ("baseline", "diff_v1", "diff_v2")
 MODES = ("fwd", "fwd+bwd", "decode")
 MODE_CHOICES = (*MODES, "all")
 DEFAULT_SWEEP = {"cuda": (512, 1024, 2048, 4096, 8192), "cpu": (256, 512, 1024)}
@@ -259,14 +259,33 @@ def _check_arguments(args: Options) -> str | None:
     return None
 
 
+def default_types() -> tuple[str, ...]:
+    """The attention types timed when ``--models`` does not choose the rows: those whose
+    declarations say so (``AttentionType.bench_by_default``: the papers' three)."""
+    return tuple(n for n in attention_type_names() if attention_type(n).bench_by_default)
+
+
+def bench_types(args: Options) -> tuple[str, ...]:
+    """Our rows' attention types: :func:`default_types`, then any other registered type that
+    ``--models`` names (a list, or comma-separated text as a script may give)."""
+    models = getattr(args, "models", None) or ()
+    named = models.replace(",", " ").split() if isinstance(models, str) else models
+    registered = attention_type_names()
+    return (*default_types(), *(n for n in named if n in registered and n not in default_types()))
+
+
 def _check_models(args: Options) -> str | None:
-    hf = ("hf_llama", "hf_diffllama")
-    known = (*ATTENTIONS, *([] if args.no_hf else hf), *(DEX_ROWS if args.dex else ()))
+    ours = attention_type_names()
+    known = (*ours, *([] if args.no_hf else HF_ROWS), *(DEX_ROWS if args.dex else ()))
     unknown = [name for name in args.models if name not in known]
     if unknown or not args.models:
-        return f"--models: choose among {', '.join(known)}, got {', '.join(args.models) or 'none'}"
+        return (
+            f"--models: choose among {', '.join(known)}, got {', '.join(args.models) or 'none'}"
+            " (a row of ours is one registered attention type at the bench's sizes; a stack of "
+            "mixed types, ModelConfig.layer_types, is not a row)"
+        )
     for name in args.models:
-        reference = "baseline" if name in ATTENTIONS else "hf_llama"
+        reference = REFERENCE if name in ours else HF_ROWS[0]
         if reference not in args.models:
             return (
                 f"--models: {name} is compared with {reference}, so {reference} must be timed too"

@@ -12,9 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from diffattn.bench.models import DEX_ROWS
+from diffattn.bench.models import DEX_ROWS, HF_ROWS, REFERENCE
 
-OURS = ("baseline", "diff_v1", "diff_v2")
 TITLES = {"fwd": "forward", "fwd+bwd": "forward + backward", "decode": "decode"}
 
 
@@ -40,9 +39,8 @@ def plot_sweep(records: list[dict[str, Any]], path: Path) -> Path:
             points = sorted(
                 (r["seq_len"], r["tokens_per_s"]) for r in rows if r["attention"] == name
             )
-            style = "-" if name in OURS else ":" if name in DEX_ROWS else "--"
             xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, style, marker="o", label=name, color=colors[name])
+            ax.plot(xs, ys, _style(name), marker="o", label=name, color=colors[name])
         ax.set_xscale("log", base=2)
         lengths = sorted({r["seq_len"] for r in rows})
         ax.set_xticks(lengths, [str(n) for n in lengths])
@@ -75,10 +73,9 @@ def _ratio_panel(ax, rows: list[dict[str, Any]], mode: str, colors: dict[str, st
         points = sorted(
             (r["seq_len"], r["paired_ratio_to_baseline"]) for r in rows if r["attention"] == name
         )
-        style = "-" if name in OURS else ":" if name in DEX_ROWS else "--"
         xs, ys = zip(*points, strict=True)
         label = f"{name} / {_reference_of(rows, name)}"
-        ax.plot(xs, ys, style, marker="o", label=label, color=colors[name])
+        ax.plot(xs, ys, _style(name), marker="o", label=label, color=colors[name])
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xscale("log", base=2)
     lengths = sorted({r["seq_len"] for r in rows})
@@ -90,7 +87,12 @@ def _ratio_panel(ax, rows: list[dict[str, Any]], mode: str, colors: dict[str, st
     ax.legend(fontsize=8)
 
 
-REFERENCES = ("baseline", "hf_llama")
+REFERENCES = (REFERENCE, HF_ROWS[0])
+
+
+def _style(name: str) -> str:
+    """Our rows (every attention type) solid, Dex rows dotted, the other HF rows dashed."""
+    return ":" if name in DEX_ROWS else "--" if name in HF_ROWS else "-"
 
 
 def _reference_of(rows: list[dict[str, Any]], name: str) -> str:

@@ -1,9 +1,10 @@
 """Peak memory of the capture probe on a long sequence (a command, not a timed test).
 
 ``python -m diffattn.bench.probe_memory`` builds a 4-layer, d_model 256 model of each attention
-type, runs one forward of ``--seq-len`` tokens (4,096 by default) on CPU under a probe that
-captures the attention mass on a key span (:class:`~diffattn.probe.SpanMass`) and the top-100
-|logits| (:class:`~diffattn.probe.LogitStats`), and prints the process's peak resident memory.
+type (``--attention``: any registered ones; by default the papers' three), runs one forward of
+``--seq-len`` tokens (4,096 by default) on CPU under a probe that captures the attention mass
+on a key span (:class:`~diffattn.probe.SpanMass`) and the top-100 |logits|
+(:class:`~diffattn.probe.LogitStats`), and prints the process's peak resident memory.
 Each type runs in a fresh process, so peaks do not mix; the figure includes Python and torch
 (see the ``idle`` column: the peak of a process that only built the model).
 """
@@ -31,7 +32,9 @@ class ProbeMemorySettings(Settings):
     seq_len: int = setting(4096)
     block_rows: int = setting(128)
     threads: int = setting(2)
-    attention: tuple[str, ...] = setting(("baseline", "diff_v1", "diff_v2"))
+    attention: tuple[str, ...] | None = setting(
+        None, help="attention types to measure (default: those diffattn bench times by default)"
+    )
     child: str | None = setting(None, suppress=True)
     idle: bool = setting(False, suppress=True)
 
@@ -103,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         f"top-100, block_rows {args.block_rows}, CPU, torch {torch.__version__}"
     )
     print(f"{'attention':>10} {'idle MiB':>10} {'peak MiB':>10} {'forward s':>10}")
-    for attention in args.attention:
+    from diffattn.bench.options import default_types
+
+    for attention in args.attention or default_types():
         idle = _child(args, attention, forward=False)["peak_rss_mib"]
         probed = _child(args, attention, forward=True)
         peak, seconds = probed["peak_rss_mib"], probed["forward_s"]

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from diffattn.bench.models import HF_ROWS, REFERENCE
 from diffattn.bench.options import (
-    ATTENTIONS,
     Options,
     lengths_of,
     modes_of,
@@ -137,7 +137,7 @@ def _records(candidates, mode, seq_len, times, peaks, args, mem_seq_len) -> list
                 "threads": torch.get_num_threads(),
                 "dtype": args.dtype,
                 "backend": args.backend,
-                "compiled": bool(args.compile and c.name in ATTENTIONS),
+                "compiled": bool(args.compile and c.ours),
                 "torch": torch.__version__,
             }
         )
@@ -192,7 +192,7 @@ def _mode_title(mode: str, seq_len: int, args: Options) -> str:
     )
 
 
-CROSS = (("baseline", "hf_llama"), ("diff_v1", "hf_diffllama"))
+CROSS = ((REFERENCE, HF_ROWS[0]), ("diff_v1", HF_ROWS[1]))
 """Our rows and the HF rows they mirror, compared across code bases by :func:`cross_ratios`."""
 
 
@@ -202,7 +202,7 @@ def cross_ratios(records: list[dict[str, Any]]) -> list[str]:
     rows = {(r["attention"], r["mode"], r["seq_len"]): r for r in records}
     lines = []
     for (_, mode, n), r in rows.items():
-        if r["attention"] != "baseline":
+        if r["attention"] != REFERENCE:
             continue
         parts = []
         for ours, theirs in CROSS:
@@ -219,8 +219,31 @@ def cross_ratios(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def describe_layers(config) -> list[str]:
+    """The attention of ``config``'s layers, one line per run of layers of one type
+    (``AttentionType.describe``): ``layers 0-3: DIFF V1: ...``; a mixed stack
+    (``layer_types``) gets one line per run."""
+    runs: list[list[int]] = []
+    for i in range(config.n_layers):
+        if runs and config.type_of_layer(i) is config.type_of_layer(runs[-1][0]):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    lines = []
+    for run in runs:
+        span = f"layer {run[0]}" if len(run) == 1 else f"layers {run[0]}-{run[-1]}"
+        lines.append(f"{span}: {config.type_of_layer(run[0]).describe(config)}")
+    return lines
+
+
 def _report(records, configs, candidates, args) -> str:
-    base = configs["baseline"]
+    base = configs[REFERENCE]
+    timed = {c.name for c in candidates}
+    types = [
+        f"attention of {name}: {'; '.join(describe_layers(config))}; d_ff {config.ffn_dim}"
+        for name, config in configs.items()
+        if name in timed
+    ]
     heads = f"heads {base.n_heads}x{args.head_dim}, kv heads {base.num_kv_heads}"
     mem_n = args.mem_seq_len
     out = [
@@ -239,6 +262,7 @@ def _report(records, configs, candidates, args) -> str:
         "FLOP bound = FLOPs(ref) / FLOPs(model) per token as each kernel computes them: the "
         "best 'x ref' throughput possible (diffattn.flops); MFU = model FLOPs x tokens/s "
         "/ peak (DIFF V1 counted with QK once)",
+        *types,
     ]
     for n in lengths_of(args):
         for mode in modes_of(args):

@@ -1,6 +1,9 @@
 """``diffattn bench``: throughput, peak memory and MFU of baseline, DIFF V1 and DIFF V2.
 
-The three models are built at matched parameters: heads of width 64, ``n_heads =
+Our rows are attention types (``AttentionType.bench_by_default``: the papers' three; ``--models``
+adds any registered type by name), each a whole stack of one type: the bench builds its models
+from its own sizes and takes no config, so a stack of mixed types (``layer_types``) is not a
+row. The models are built at matched parameters: heads of width 64, ``n_heads =
 d_model / 64`` baseline heads (DIFF V1 pairs them), ``--kv-heads`` key/value heads (GQA), and
 DIFF V2's SwiGLU narrowed as ``presets.get(..., match_params=True)`` does. When
 ``transformers`` is importable, HF ``DiffLlamaForCausalLM`` and ``LlamaForCausalLM`` at the same
@@ -53,7 +56,6 @@ from diffattn.bench.models import (
     our_candidates,
 )
 from diffattn.bench.options import (
-    ATTENTIONS,
     COMPILED_WARMUP,
     DEFAULT_SWEEP,
     DEVICES,
@@ -61,10 +63,13 @@ from diffattn.bench.options import (
     HEAD_DIM,
     MODE_CHOICES,
     MODES,
+    REFERENCE,
     BenchSettings,
     Options,
     _check_arguments,
     add_arguments,
+    bench_types,
+    default_types,
     lengths_of,
     longest,
     modes_of,
@@ -86,7 +91,6 @@ from diffattn.bench.report import (
 from diffattn.config import ModelConfig
 
 __all__ = [
-    "ATTENTIONS",
     "COMPILED_WARMUP",
     "CROSS",
     "DEFAULT_SWEEP",
@@ -98,14 +102,17 @@ __all__ = [
     "MODES",
     "MODE_CHOICES",
     "RECORD_FIELDS",
+    "REFERENCE",
     "BenchSettings",
     "LiveTensorBytes",
     "add_arguments",
     "available_memory",
+    "bench_types",
     "build_candidates",
     "build_configs",
     "check_memory",
     "cross_ratios",
+    "default_types",
     "estimate_memory",
     "format_bytes",
     "format_table",
@@ -131,7 +138,11 @@ def matched_v2(baseline: ModelConfig) -> ModelConfig:
 
 
 def build_configs(args: Options) -> dict[str, ModelConfig]:
-    """Baseline, DIFF V1 and DIFF V2 configs at matched parameters."""
+    """The configs of our rows (:func:`~diffattn.bench.options.bench_types`: baseline, DIFF V1
+    and DIFF V2, and any registered type ``--models`` names) at matched parameters: the
+    baseline's shape for every type, and the SwiGLU of a type matched by narrowing it
+    (``AttentionType.matches_by_ffn``, as DIFF V2) narrowed as ``presets.match_v2_params``
+    does. ``ValueError`` names a type whose heads do not fit the shape."""
     baseline = ModelConfig(
         vocab_size=args.vocab,
         d_model=args.d_model,
@@ -139,14 +150,15 @@ def build_configs(args: Options) -> dict[str, ModelConfig]:
         n_heads=args.d_model // args.head_dim,
         n_kv_heads=getattr(args, "kv_heads", None),
         max_seq_len=longest(args),
-        attention="baseline",
+        attention=REFERENCE,
         backend=args.backend,
     )
-    return {
-        "baseline": baseline,
-        "diff_v1": baseline.replace(attention="diff_v1"),
-        "diff_v2": matched_v2(baseline),
-    }
+    configs = {}
+    for name in bench_types(args):
+        config = baseline.replace(attention=name)
+        matched = config.type_of_layer(0).matches_by_ffn(config)
+        configs[name] = presets.match_v2_params(config) if matched else config
+    return configs
 
 
 # --------------------------------------------------------------------------------------
@@ -171,10 +183,10 @@ def estimate_memory(configs: dict[str, ModelConfig], args: Options) -> dict[str,
     width = torch.finfo(DTYPES[args.dtype]).bits // 8
     params = {name: count_parameters(config) for name, config in configs.items()}
     resident = sum(params.values())
-    if not args.no_hf:
-        resident += params["baseline"] + params["diff_v1"]
+    if not args.no_hf:  # HF Llama and DiffLlama mirror our baseline and DIFF V1
+        resident += params[REFERENCE] + params["diff_v1"]
     if args.dex:
-        resident += 2 * params["baseline"]
+        resident += 2 * params[REFERENCE]
     tokens = args.batch * max(*lengths_of(args), args.mem_seq_len or 0)
     largest = max(params, key=params.get)
     config = configs[largest]
