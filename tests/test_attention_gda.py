@@ -19,8 +19,10 @@ import torch
 
 from diffattn import DiffTransformerLM, ModelConfig, presets
 from diffattn.attention.observe import MapRecorder, observing
+from diffattn.attention.registry import ENTRY_DIFF, ENTRY_SOFTMAX
 from diffattn.attention.types import attention_type
 from diffattn.cache import DynamicCache, StaticCache
+from diffattn.probe import AttentionMaps, HeadOutputs, Lambda, Probe
 from oracle.gda import gda_attention, gda_parameter_budget, gda_parameter_shapes
 from oracle.reference_lm import (
     allowed_keys,
@@ -264,6 +266,25 @@ def test_maps_of_a_group_share_the_noise_map():
     assert (a2[:, 0] - a2[:, 3]).abs().max() > 1e-3  # two noise heads, two maps
     lam = model.layers[0].attn.lambda_full()
     torch.testing.assert_close(out.attentions[0], a1 - lam * a2)
+
+
+def test_the_probe_watches_gda_layers_as_declared():
+    """The capture probe: H_s output heads of width 2d, DIFF V1's entry point, one λ per
+    layer (Eq.2) in ``lambda``, head outputs split as W_O reads them."""
+    config = gda_config({"ratio": 3}, 2, "auto", layer_types="gda,baseline")
+    model = build_model(config, seed=8)
+    ids = torch.randint(0, config.vocab_size, (1, 9))
+    lam, outputs, maps = Lambda(), HeadOutputs(), AttentionMaps(what=("applied", "lam"))
+    with Probe(model, [lam, outputs, maps]) as probe, torch.no_grad():
+        model(ids)
+        views = [(v.kind, v.differential, v.out_heads, v.out_head_dim) for v in probe.layers]
+    d = config.dim_per_head
+    assert views == [(ENTRY_DIFF, True, 6, 2 * d), (ENTRY_SOFTMAX, False, 8, d)]
+    assert outputs.result()[0][0]["output"].shape == (1, 6, 9, 2 * d)
+    want = float(model.layers[0].attn.lambda_full().detach())
+    assert lam.result()["lambda"][0] == pytest.approx(want, abs=1e-7)
+    assert math.isnan(lam.result()["lambda"][1])
+    assert maps.result()[0][0]["applied"].shape == (1, 6, 9, 9)
 
 
 # --- the cache ----------------------------------------------------------------------------------

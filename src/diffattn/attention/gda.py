@@ -50,7 +50,13 @@ import torch
 from torch import nn
 
 from diffattn.attention.common import ProjectedAttention
-from diffattn.attention.diff_v1 import DIFF_V1, DiffAttentionV1, add_lambda_and_head_norm
+from diffattn.attention.diff_v1 import (
+    DIFF_V1,
+    DiffAttentionV1,
+    add_lambda_and_head_norm,
+    reparameterised_lambda,
+)
+from diffattn.attention.registry import ENTRY_DIFF
 from diffattn.attention.types import (
     AttentionType,
     CacheLayout,
@@ -181,6 +187,7 @@ class Gda(AttentionType):
     options = OPTIONS
     config_fields = DIFF_V1.config_fields  # λ_init, λ std, the head norm: DIFF V1's fields
     differential = True
+    entry = ENTRY_DIFF  # DIFF V1's entry point, over the signal heads paired with their noise
     source = (
         "Grouped Differential Attention (arXiv 2510.06949); D1-D5 reconstructed from vLLM's "
         "GroupedDifferentialAttentionImpl and Motif-2-12.7B"
@@ -321,6 +328,10 @@ class Gda(AttentionType):
         their signal heads' W_O columns (contiguous), so the plain column/row shards of the
         projections hold whole groups; λ and the norm weight are replicated."""
         return {"": replicated(stream=False)}
+
+    def scalar_lambda(self, module) -> torch.Tensor:
+        """D3 = DIFF V1 Eq.2's λ of the layer, from its λ vectors."""
+        return reparameterised_lambda(module)
 
     def lambda_init(self, config, layer_index: int) -> float:
         return config.lambda_init_for_layer(layer_index)
