@@ -356,13 +356,7 @@ def _discover() -> None:
     for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
             loaded = entry.load()
-            declaration = (
-                loaded()
-                if isinstance(loaded, type)
-                or (callable(loaded)
-                and not (isinstance(loaded, AttentionType)))
-                else loaded
-            )
+            declaration = loaded if isinstance(loaded, AttentionType) else loaded()
             if declaration.name not in _TYPES or _TYPES[declaration.name] is not declaration:
                 register_attention_type(declaration)
         except Exception as error:
