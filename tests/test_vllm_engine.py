@@ -1,7 +1,7 @@
 """diffattn checkpoints on vLLM (the model plugin, ``diffattn.vllm_plugin``): greedy tokens equal
 diffattn's own ``generate`` token for token, prompt log-probabilities equal its forward, with
-prefix caching and chunked prefill on and off, GQA and MHA, for the three attention types and a
-Dex-merged Llama; the KV cache vLLM allocates is measured.
+prefix caching and chunked prefill on and off, GQA and MHA, for the three attention types, a
+stack of mixed types and a Dex-merged Llama; the KV cache vLLM allocates is measured.
 
 One engine per checkpoint serves every test of it (pytest groups the tests by the
 module-scoped fixture), since an engine takes about 15 s to start on two cores.
@@ -48,7 +48,11 @@ CHECKPOINTS = {
     ),
     "diff_v2-gqa": ("diff_v2", dict(n_kv_heads=4), CACHING),
     "diff_v2-mha": ("diff_v2", dict(v2_paired_heads=False, v2_lambda_sigmoid=False), PLAIN),
+    "mixed-gqa": ("baseline", dict(layer_types="diff_v1,baseline", n_kv_heads=4), CACHING),
 }
+"""Each checkpoint: ``(attention, fields, engine settings)``; ``mixed-gqa`` is a stack of mixed
+types, each layer served by its own call (DIFF V1's at width 2·head_dim, the baseline's at
+head_dim) over one paged cache."""
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))

@@ -1,6 +1,7 @@
 """``diffattn serve --engine vllm``: vLLM's OpenAI server on a DIFF V1 checkpoint, driven by the
 real ``openai`` client (completions, chat, streaming, 8 concurrent clients), and the models
-it refuses before any engine starts."""
+it refuses before any engine starts (a head width its backend cannot run, a layer of a type
+without a vLLM layout, an option it does not know, DiffLlama)."""
 
 from __future__ import annotations
 
@@ -187,9 +188,23 @@ def test_a_head_width_vllm_cannot_run_is_one_line_before_any_engine(tmp_path):
     result = run_serve(str(tmp_path), "--engine", "vllm")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
-        "diffattn serve: error: vLLM's CPU_ATTN attention backend cannot serve this baseline "
-        "model: its attention heads have width head_dim = 16, and the backend supports head "
-        "sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512"
+        "diffattn serve: error: vLLM's CPU_ATTN attention backend cannot serve the baseline "
+        "attention of this model: its attention heads have width head_dim = 16, and the backend "
+        "supports head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512"
+    )
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_a_layer_whose_type_declares_no_vllm_layout_is_its_reason_before_any_engine(tmp_path):
+    """A mixed stack with one layer of a type whose declaration gives a ``vllm_reason``."""
+    from diffattn.attention.types import attention_type
+
+    save_checkpoint(tmp_path, "baseline", layer_types="diff_v1,gda")
+    result = run_serve(str(tmp_path), "--engine", "vllm")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"diffattn serve: error: vLLM cannot serve attention type 'gda': "
+        f"{attention_type('gda').vllm_reason}"
     )
     assert "Traceback" not in result.stderr + result.stdout
 
