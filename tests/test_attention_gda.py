@@ -375,12 +375,12 @@ def test_ratio_one_matches_like_diff_v1_and_counts_its_flops():
             diff_v1.attention_flops_for_keys(v1, 100.0, form)
         )
     assert gda.cache_layout(config) == diff_v1.cache_layout(v1)
-    r3 = gda_config({"ratio": 3}, 2)  # same number of maps as DIFF V1, V read by fewer heads
-    assert gda.attention_flops_for_keys(r3, 100.0, "qk_once") == (
-        diff_v1.attention_flops_for_keys(
-            r3.replace(attention="diff_v1", attention_options={}), 100.0, "qk_once"
+    r3 = gda_config({"ratio": 3}, 2)  # as computed: DIFF V1 over 6 differential heads
+    twin = r3.replace(attention="diff_v1", attention_options={}, n_heads=12, head_dim=8)
+    for form in ("qk_once", "v_once", "split_v"):
+        assert gda.attention_flops_for_keys(r3, 100.0, form) == (
+            diff_v1.attention_flops_for_keys(twin, 100.0, form)
         )
-    )
     assert "6 signal and 2 noise heads" in gda.describe(r3)
 
 

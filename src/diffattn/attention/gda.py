@@ -37,8 +37,7 @@ Computation: each signal head is given its noise head's query (the noise queries
 ``r`` times), so the layer is DIFF V1 Eq.1 over ``H_s`` head pairs, through the same kernel
 entry point (:func:`diffattn.attention.kernels.differential_attention`) on every backend; a
 ratio-1 layer makes exactly DIFF V1's call. The noise maps are then computed once per signal
-head, not once per noise head (the FLOPs count, :meth:`Gda.attention_flops_for_keys`, counts
-each map once, as the equations need them).
+head, not once per noise head, and :meth:`Gda.attention_flops_for_keys` counts them so.
 """
 
 from __future__ import annotations
@@ -307,19 +306,19 @@ class Gda(AttentionType):
         return self._projection_difference(config) != 0
 
     def attention_flops_for_keys(self, config, keys: float, v1_form: str) -> float:
-        """Each of the ``H_s + H_n`` maps once (D1) and the ``H_s`` outputs against V of width
-        2d, counted in DIFF V1's ``v1_form``: ``qk_once`` (every map against the whole V),
-        ``v_once`` (``A1 − λ·A2`` formed, then one product with V per signal head) or
-        ``split_v`` (every map against each d-wide half of V). Equals DIFF V1's count at
-        ratio 1, and with ``head_budget='queries'`` at every ratio."""
-        d, heads = config.dim_per_head, self.heads(config)
-        per_map = 2.0 * d * keys
-        maps = heads.n_query
-        if v1_form == "qk_once":
-            return maps * (per_map + 2.0 * (2 * d) * keys)
-        if v1_form == "v_once":
-            return maps * per_map + heads.n_signal * 2.0 * (2 * d) * keys
-        return maps * 2 * (per_map + 2.0 * d * keys)
+        """As the kernels compute it: DIFF V1's count (in its ``v1_form``) over ``H_s``
+        differential heads, since each signal head is given its noise head's query and the
+        noise maps are computed once per signal head (module docstring). The equations need
+        ``H_s + H_n`` maps, not ``2·H_s``: a kernel computing each noise map once would do
+        ``(H_s + H_n) / (2·H_s)`` of the QKᵀ work. At ratio 1 this is DIFF V1's count."""
+        twin = config.replace(
+            attention=DIFF_V1.name,
+            layer_types=None,
+            attention_options={},
+            n_heads=2 * self.heads(config).n_signal,
+            head_dim=config.dim_per_head,
+        )
+        return DIFF_V1.attention_flops_for_keys(twin, keys, v1_form)
 
     # --- tensor parallelism -----------------------------------------------------------------
     def tp_plan(self, config, colwise, replicated):
