@@ -1,0 +1,278 @@
+"""An attention type from another, installed package works where a built-in type does.
+
+``tests/toy_attention_type`` is a package that declares the type ``tempered`` in one file and
+registers it through the ``diffattn.attention_types`` entry point. It is installed once (``pip
+install --no-deps --target``) and every flow below runs as a command in a fresh process whose
+``sys.path`` holds it: nothing imports the package by hand, so each command finds the type
+through the entry point, as a user's would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extras import require_extra
+
+pytestmark = [require_extra("train"), pytest.mark.slow]
+
+from train_helpers import tiny_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "tests" / "toy_attention_type"
+OPTIONS = {"tempered": {"init_temperature": 1.5}}
+
+
+def _env(target: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(target), str(REPO / "src"), str(REPO / "tests")])
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def _run(target: Path, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *argv],
+        env=_env(target),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=target.parent,
+    )
+
+
+def _torchrun(target: Path, *argv: str, timeout: float) -> subprocess.CompletedProcess:
+    from helpers import free_port
+
+    return _run(
+        target,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--nnodes=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        "-m",
+        "diffattn.train",
+        *argv,
+        timeout=timeout,
+    )
+
+
+def _ok(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """The toy package installed into a folder of its own (its entry points with it)."""
+    target = tmp_path_factory.mktemp("toy-site")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(PACKAGE),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list(target.glob("toy_attention_type-*.dist-info/entry_points.txt"))
+    return target
+
+
+@pytest.fixture(scope="module")
+def recipe(installed, tmp_path_factory):
+    """A tiny recipe of the toy type with one option set."""
+    cache = tmp_path_factory.mktemp("toy-data")
+    fields = tiny_recipe(cache, steps=4, checkpoint_every=2, keep_last=None)
+    fields["model"].update(attention="tempered", attention_options=OPTIONS)
+    path = installed.parent / "tempered.yaml"
+    path.write_text(yaml.safe_dump(fields), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(installed, recipe):
+    """``diffattn train`` of the toy type: 4 steps, checkpoints at 2 and 4."""
+    out = installed.parent / "run"
+    _ok(_run(installed, "-m", "diffattn", "train", str(recipe), "--out", str(out), "--quiet"))
+    return out
+
+
+def _losses(run: Path) -> dict[int, float]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def test_the_entry_point_registers_the_type(installed):
+    out = _ok(
+        _run(
+            installed,
+            "-c",
+            "from diffattn import attention_type; t = attention_type('tempered'); "
+            "print(t.title, type(t).__module__)",
+        )
+    )
+    assert out.strip() == "Tempered softmax toy_attention_type"
+
+
+def test_training_saves_the_type_and_its_options_and_resumes_exactly(installed, recipe, trained):
+    config = json.loads((trained / "checkpoints" / "final" / "config.json").read_text())
+    assert config["attention"] == "tempered"
+    assert config["attention_options"] == OPTIONS
+    resumed = installed.parent / "resumed"
+    _ok(
+        _run(
+            installed,
+            "-m",
+            "diffattn",
+            "train",
+            str(recipe),
+            "--out",
+            str(resumed),
+            "--steps",
+            "2",
+            "--quiet",
+        )
+    )
+    _ok(
+        _run(
+            installed,
+            "-m",
+            "diffattn",
+            "train",
+            str(recipe),
+            "--out",
+            str(resumed),
+            "--resume",
+            "--quiet",
+        )
+    )
+    full, again = _losses(trained), _losses(resumed)
+    assert sorted(again) == [1, 2, 3, 4]
+    assert max(abs(full[s] - again[s]) for s in (3, 4)) <= 1e-6
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_distributed_training_runs_the_type(installed, recipe, parallel):
+    out = installed.parent / f"run-{parallel}"
+    overrides = ["--set", f"parallel={parallel}", "--set", "micro_batch_size=2"]
+    done = _torchrun(
+        installed,
+        str(recipe),
+        "--out",
+        str(out),
+        *overrides,
+        "--steps",
+        "2",
+        "--quiet",
+        timeout=400,
+    )
+    _ok(done)
+    assert sorted(_losses(out)) == [1, 2]
+
+
+def test_tensor_parallelism_is_refused_with_the_declared_reason(installed, recipe):
+    out = installed.parent / "run-tp"
+    done = _torchrun(
+        installed,
+        str(recipe),
+        "--out",
+        str(out),
+        "--set",
+        "tp=2",
+        "--steps",
+        "1",
+        "--quiet",
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert "attention type 'tempered' declares no tensor-parallel plan" in done.stderr
+
+
+def test_generation_runs_with_each_cache_and_the_caches_equal_the_full_forward(installed, trained):
+    for cache in ("dynamic", "static"):
+        out = _run(
+            installed,
+            "-m",
+            "diffattn",
+            "generate",
+            str(trained),
+            "--prompt",
+            "def f",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--cache",
+            cache,
+        )
+        assert _ok(out).startswith("def f")
+    # greedy tokens of a 4-step model sit on near-ties, so the caches are compared by logits
+    script = f"""
+import torch
+from diffattn import load_model
+from diffattn.cache import DynamicCache, StaticCache
+model = load_model({str(trained)!r})
+ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+full = model(ids).logits
+for cache in (DynamicCache(), StaticCache(model.config, 2, 16)):
+    steps = [model(ids[:, :5], past_key_values=cache).logits]
+    steps += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(5, 11)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+print(type(model.layers[0].attn).__name__)
+"""
+    assert _ok(_run(installed, "-c", script)).strip() == "TemperedAttention"
+
+
+def test_hugging_face_auto_classes_save_and_load_the_type(installed, trained):
+    script = f"""
+import torch, diffattn
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(trained / "checkpoints" / "final")!r})
+ids = torch.arange(1, 12).unsqueeze(0)
+model.save_pretrained({str(installed.parent / "hf-saved")!r})
+again = AutoModelForCausalLM.from_pretrained({str(installed.parent / "hf-saved")!r})
+kind = type(again.model.layers[0].attn).__name__
+assert kind == "TemperedAttention", kind
+assert torch.equal(model(ids).logits, again(ids).logits)
+print("ok")
+"""
+    assert _ok(_run(installed, "-c", script)).strip().endswith("ok")
+
+
+def test_the_probe_captures_the_types_maps(installed, trained):
+    out = installed.parent / "maps"
+    _ok(
+        _run(
+            installed,
+            "-m",
+            "diffattn",
+            "eval",
+            "attention",
+            str(trained),
+            "--prompt",
+            "def f ( x ) : return x",
+            "--out",
+            str(out),
+        )
+    )
+    assert list(out.glob("*.png")) and list(out.glob("*.json"))
