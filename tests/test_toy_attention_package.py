@@ -139,33 +139,9 @@ def test_training_saves_the_type_and_its_options_and_resumes_exactly(installed, 
     assert config["attention"] == "tempered"
     assert config["attention_options"] == OPTIONS
     resumed = installed.parent / "resumed"
-    _ok(
-        _run(
-            installed,
-            "-m",
-            "diffattn",
-            "train",
-            str(recipe),
-            "--out",
-            str(resumed),
-            "--steps",
-            "2",
-            "--quiet",
-        )
-    )
-    _ok(
-        _run(
-            installed,
-            "-m",
-            "diffattn",
-            "train",
-            str(recipe),
-            "--out",
-            str(resumed),
-            "--resume",
-            "--quiet",
-        )
-    )
+    train = ("-m", "diffattn", "train", str(recipe), "--out", str(resumed), "--quiet")
+    _ok(_run(installed, *train, "--steps", "2"))
+    _ok(_run(installed, *train, "--resume"))
     full, again = _losses(trained), _losses(resumed)
     assert sorted(again) == [1, 2, 3, 4]
     assert max(abs(full[s] - again[s]) for s in (3, 4)) <= 1e-6
