@@ -252,3 +252,101 @@ def test_the_probe_captures_the_types_maps(installed, trained):
         )
     )
     assert list(out.glob("*.png")) and list(out.glob("*.json"))
+
+
+def test_the_hub_export_carries_the_type_where_neither_package_imports(installed, trained):
+    hub, report = installed.parent / "hub", installed.parent / "hub-report.json"
+    _ok(
+        _run(
+            installed,
+            "-m",
+            "diffattn",
+            "convert",
+            str(trained / "checkpoints" / "final"),
+            str(hub),
+            "--to",
+            "hub",
+        )
+    )
+    check = REPO / "tests" / "hub_remote_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(installed.parent / "hf-modules"), HF_HUB_OFFLINE="1")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(check),
+            str(hub),
+            str(report),
+            "--block-diffattn",
+            "--block",
+            "toy_attention_type",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    _ok(done)
+    seen = json.loads(report.read_text())
+    assert seen["diffattn_modules"] == []
+    script = f"""
+import json, torch
+from diffattn import load_model
+seen = json.load(open({str(report)!r}))
+model = load_model({str(trained / "checkpoints" / "final")!r})
+ids = torch.tensor(seen["input_ids"][:1])
+want = model(ids).logits[0]
+for key in ("logits", "reloaded_logits"):
+    torch.testing.assert_close(torch.tensor(seen[key]), want, rtol=0, atol=1e-5)
+print("ok")
+"""
+    assert _ok(_run(installed, "-c", script)).strip() == "ok"
+
+
+def test_bench_times_the_type_beside_the_baseline(installed):
+    out = _ok(
+        _run(
+            installed,
+            "-m",
+            "diffattn",
+            "bench",
+            "--json",
+            "--no-hf",
+            "--models",
+            "baseline,tempered",
+            "--seq-len",
+            "32",
+            "--d-model",
+            "128",
+            "--layers",
+            "1",
+            "--batch",
+            "1",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--mode",
+            "fwd",
+        )
+    )
+    rows = json.loads(out)
+    assert {row["attention"] for row in rows} == {"baseline", "tempered"}
+
+
+def test_the_vllm_layout_refuses_the_type_with_its_declared_reason(installed, trained):
+    """What ``serve --engine vllm`` checks before any engine starts (vLLM is not installed
+    here; tests/test_vllm_server.py runs the command where it is)."""
+    script = f"""
+from diffattn import load_model
+from diffattn.vllm_plugin.layout import attention_layout
+config = load_model({str(trained)!r}).config
+try:
+    attention_layout(config, 0, 1)
+except ValueError as error:
+    print(error)
+"""
+    assert _ok(_run(installed, "-c", script)).strip() == (
+        "vLLM cannot serve attention type 'tempered': its per-head temperature is not part of "
+        "vLLM's stock attention call"
+    )
