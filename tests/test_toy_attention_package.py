@@ -350,3 +350,19 @@ except ValueError as error:
         "vLLM cannot serve attention type 'tempered': its per-head temperature is not part of "
         "vLLM's stock attention call"
     )
+
+
+@pytest.mark.extra("serve")
+def test_the_transformers_engine_serves_the_type(installed, trained, monkeypatch):
+    from serve_helpers import ServerProcess
+
+    monkeypatch.setenv("PYTHONPATH", str(installed))  # the server finds the entry point
+    server = ServerProcess(trained, log=installed.parent / "serve.log")
+    try:
+        body = {"model": str(trained), "prompt": "def f", "max_tokens": 6, "temperature": 0}
+        status, answer = server.request("POST", "/v1/completions", body, timeout=120)
+        assert status == 200, answer
+        assert answer["usage"]["completion_tokens"] == 6
+        assert answer["choices"][0]["text"]
+    finally:
+        assert server.stop() == 0, server.output()
