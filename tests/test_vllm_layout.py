@@ -17,6 +17,7 @@ from diffattn import DiffTransformerLM
 from diffattn.attention.baseline import Baseline, BaselineAttention
 from diffattn.attention.common import project_qkv
 from diffattn.attention.diff_v1 import DIFF_V1
+from diffattn.attention.gda import GDA
 from diffattn.attention.mask import AttentionMask
 from diffattn.attention.types import (
     AttentionType,
@@ -84,6 +85,26 @@ def through_layout(attn, x, rope, tp_size: int = 1):
     return attn.o_proj(torch.cat(outputs, dim=-1))
 
 
+def gda_fields(ratio: int, n_heads: int, n_kv_heads: int = 2, **options) -> dict:
+    """``ModelConfig`` fields of a GDA model of head width 16."""
+    gda = {"ratio": ratio, **options}
+    return dict(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=16, attention_options={"gda": gda})
+
+
+GDA_FIELDS = [
+    gda_fields(1, 4),  # DIFF V1's layer
+    gda_fields(2, 6),  # 'queries': H_s = 4, H_n = 2 over one KV group (GQA)
+    gda_fields(2, 12, 4),  # H_s = 8, H_n = 4 over two KV groups
+    gda_fields(3, 8),  # H_s = 6, H_n = 2, one KV group
+    gda_fields(3, 8, 4),  # one noise head per KV group (MHA)
+    gda_fields(2, 8, 4, head_budget="outputs"),  # H_s = 4, H_n = 2, one per KV group
+    gda_fields(3, 12, 2, head_budget="outputs"),  # H_s = 6, H_n = 2
+    gda_fields(2, 8, 4, n_noise_heads=4),  # H_s = 8, H_n = 4 given outright
+    {**gda_fields(3, 8, 4), "head_norm_learnable": False, "lambda_init": 0.5},
+    {**gda_fields(2, 6), "head_norm": False, "rope_style": "interleaved"},
+]
+"""GDA models: ratios 1-3, both ``head_budget`` values, one or more KV groups, the ablations."""
+
 CASES = [
     ("baseline", {}),
     ("baseline", {"n_kv_heads": 4}),
@@ -96,6 +117,7 @@ CASES = [
     ("diff_v2", {"n_kv_heads": 4}),
     ("diff_v2", {"v2_paired_heads": False, "v2_lambda_sigmoid": False}),
     ("diff_v2", {"v2_use_lambda": False}),
+    *(("gda", fields) for fields in GDA_FIELDS),
 ]
 
 
@@ -145,16 +167,45 @@ def test_tensor_parallel_ranks_together_equal_the_layer(attention, overrides):
     torch.testing.assert_close(got, expected, rtol=TOL, atol=TOL)
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        gda_fields(2, 12, 4),
+        gda_fields(3, 8, 4),
+        gda_fields(2, 8, 4, head_budget="outputs"),
+        {**gda_fields(3, 16, 8), "head_norm_learnable": False},
+    ],
+)
+def test_gda_tensor_parallel_ranks_hold_whole_kv_groups(fields):
+    """Two ranks, each with whole KV groups: their ``(r + 1)``-head query groups (contiguous
+    ``q_proj`` rows), their signal heads' W_O columns, λ and the norm weight whole; together
+    they give the GDA layer's output."""
+    config = tiny_config("gda", **fields)
+    layout = attention_layout(config, 0, tp_size=2)
+    heads = GDA.heads(config)
+    assert (layout.num_heads, layout.num_kv_heads) == (heads.n_signal, heads.n_groups // 2)
+    got, expected = layer_output(perturbed(config), 1, 9, tp_size=2)
+    torch.testing.assert_close(got, expected, rtol=TOL, atol=TOL)
+
+
 MIXED = "diff_v1,baseline,diff_v2,diff_v1"
 
 
-def test_each_layer_of_a_mixed_stack_is_served_by_its_own_type():
+@pytest.mark.parametrize(
+    ("layer_types", "expected_calls"),
+    [
+        (MIXED, [(4, 1, 32), (4, 2, 16), (8, 2, 16), (4, 1, 32)]),
+        # GDA 3:1: three signal heads share one noise head, W_O over 3·2d
+        ("gda,baseline,diff_v1", [(6, 1, 32), (4, 2, 16), (4, 1, 32)]),
+    ],
+)
+def test_each_layer_of_a_mixed_stack_is_served_by_its_own_type(layer_types, expected_calls):
     """A stack of mixed types: each layer gets its own call (its heads and width), and the
     model whose attention runs through the layouts gives diffattn's logits."""
-    config = tiny_config(n_layers=4, layer_types=MIXED)
+    config = tiny_config(n_layers=len(expected_calls), layer_types=layer_types)
     layouts = attention_layouts(config)
     calls = [(layout.num_heads, layout.num_kv_heads, layout.head_size) for layout in layouts]
-    assert calls == [(4, 1, 32), (4, 2, 16), (8, 2, 16), (4, 1, 32)]
+    assert calls == expected_calls
     model = perturbed(config)
     for layer in range(config.n_layers):
         got, expected = layer_output(model, layer, 7)
@@ -170,6 +221,20 @@ def test_each_layer_of_a_mixed_stack_is_served_by_its_own_type():
             block.attn.forward = served
         got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gda_queries_pair_each_signal_head_with_its_noise_head():
+    """D2: q_proj's groups of r + 1 heads (r signal, then their noise head) become DIFF V1's
+    pairs ``(Q1_i, Q2_{i // r})``, each padded to 2d."""
+    config = tiny_config("gda", **gda_fields(3, 8, 4))  # groups [s0 s1 s2 n0] [s3 s4 s5 n1]
+    q = torch.randn(5, 8 * 16)
+    padded = GDA.vllm_queries(config, q).view(5, 12, 32)
+    heads = q.view(5, 8, 16)
+    for i in range(6):
+        group, t = divmod(i, 3)
+        assert torch.equal(padded[:, 2 * i, :16], heads[:, 4 * group + t])
+        assert torch.equal(padded[:, 2 * i + 1, 16:], heads[:, 4 * group + 3])
+    assert not padded[:, 0::2, 16:].any() and not padded[:, 1::2, :16].any()
 
 
 def test_v1_padded_queries_put_each_map_on_its_key_half():
@@ -190,6 +255,17 @@ def test_cache_is_the_least_the_model_needs_and_the_baselines(layer_types, n_kv_
         stored = kv_cache_bytes_per_token(config, element_bytes)
         assert stored == ideal_kv_cache_bytes_per_token(config, element_bytes)
         assert stored == ideal_kv_cache_bytes_per_token(baseline, element_bytes)
+
+
+@pytest.mark.parametrize("fields", GDA_FIELDS[:7])
+def test_gda_cache_is_diff_v1s(fields):
+    """GDA's cache is DIFF V1's (K1, K2 at d and V at 2d per KV group), whatever its ratio:
+    the least it needs, and the baseline's of the same ``n_kv_heads``."""
+    config = tiny_config(layer_types="gda,diff_v2", **fields)
+    baseline = tiny_config("baseline", **{**fields, "attention_options": {}})
+    stored = kv_cache_bytes_per_token(config, 2)
+    assert stored == ideal_kv_cache_bytes_per_token(config, 2)
+    assert stored == ideal_kv_cache_bytes_per_token(baseline, 2)
 
 
 def test_layout_sizes_and_scale():

@@ -199,12 +199,12 @@ def test_a_layer_whose_type_declares_no_vllm_layout_is_its_reason_before_any_eng
     """A mixed stack with one layer of a type whose declaration gives a ``vllm_reason``."""
     from diffattn.attention.types import attention_type
 
-    save_checkpoint(tmp_path, "baseline", layer_types="diff_v1,gda")
+    save_checkpoint(tmp_path, "baseline", layer_types="diff_v1,dint")
     result = run_serve(str(tmp_path), "--engine", "vllm")
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == (
-        f"diffattn serve: error: vLLM cannot serve attention type 'gda': "
-        f"{attention_type('gda').vllm_reason}"
+        f"diffattn serve: error: vLLM cannot serve attention type 'dint': "
+        f"{attention_type('dint').vllm_reason}"
     )
     assert "Traceback" not in result.stderr + result.stdout
 

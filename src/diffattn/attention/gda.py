@@ -59,6 +59,7 @@ from diffattn.attention.registry import ENTRY_DIFF
 from diffattn.attention.types import (
     AttentionType,
     CacheLayout,
+    ServedWeight,
     TypeOption,
     positive_int,
     register_attention_type,
@@ -85,6 +86,18 @@ class GdaHeads(NamedTuple):
     def n_query(self) -> int:
         """Query heads of width d that ``q_proj`` projects: ``H_s + H_n``."""
         return self.n_signal + self.n_noise
+
+
+def pair_with_noise(q: torch.Tensor, ratio: int) -> torch.Tensor:
+    """D2 on query heads along dim 1 in ``(ratio + 1)``-head groups (r signal heads, then
+    their noise head): ``(B, H_s + H_n, ...)`` → ``(B, 2·H_s, ...)`` with heads ``(2i, 2i + 1)
+    = (Q1_i, Q2_{i // r})``, DIFF V1's pairs. Ratio 1 returns ``q`` itself."""
+    if ratio == 1:
+        return q
+    groups = q.unflatten(1, (q.shape[1] // (ratio + 1), ratio + 1))  # (B, H_n, r + 1, ...)
+    signal = groups[:, :, :ratio]
+    noise = groups[:, :, ratio:].expand_as(signal)  # noise head j for its r signal heads
+    return torch.stack((signal, noise), dim=3).flatten(1, 3)
 
 
 class GroupedDifferentialAttention(ProjectedAttention):
@@ -118,12 +131,7 @@ class GroupedDifferentialAttention(ProjectedAttention):
 
         Head counts are read from the tensor (a tensor-parallel rank holds whole KV groups,
         each with whole ``(r + 1)``-head query groups)."""
-        r = self.ratio
-        if r == 1:
-            return q
-        groups = q.unflatten(1, (q.shape[1] // (r + 1), r + 1))  # (B, H_n, r + 1, N, d)
-        noise = groups[:, :, r:].expand(-1, -1, r, -1, -1)  # noise head j for its r signals
-        return torch.stack((groups[:, :, :r], noise), dim=3).flatten(1, 3)
+        return pair_with_noise(q, self.ratio)
 
     def attend(self, x, q, k, v, mask, need_weights):
         """D1, D2, D4: DIFF V1 Eq.1 over the signal heads paired with their noise heads
@@ -193,7 +201,7 @@ class Gda(AttentionType):
     )
     lambda_label = "λ (DIFF V1 Eq.2)"
     lambda_key = "lambda"
-    vllm_reason = "the diffattn vLLM plugin declares no layout for GDA's grouped noise heads"
+    vllm_reason = None  # DIFF V1's call over the signal heads paired with their noise heads
     tensor_parallel = True
     heads_per_output_head = 2  # exact for ratio 1 and head_budget 'outputs'
 
@@ -220,7 +228,7 @@ class Gda(AttentionType):
         """Even ``n_kv_heads`` (K1, K2 pairs); ``n_heads`` splitting as ``head_budget`` says;
         noise heads spread evenly over the KV groups. Options that are themselves refused
         are left to the config's check of ``attention_options``, which names them."""
-        stored = config.attention_options.get(self.name)
+        stored = config.attention_options.get(self.name, {})
         if not isinstance(stored, dict) or self.option_problems(stored):
             return []
         opts = self.option_values(stored)
@@ -327,6 +335,38 @@ class Gda(AttentionType):
         their signal heads' W_O columns (contiguous), so the plain column/row shards of the
         projections hold whole groups; λ and the norm weight are replicated."""
         return {"": replicated(stream=False)}
+
+    # --- vLLM -------------------------------------------------------------------------------
+    vllm_width_note = "GDA runs its attention at width 2·head_dim = {width}, as DIFF V1"
+
+    def vllm_call(self, config) -> tuple[int, int, int]:
+        """DIFF V1's call over the ``H_s`` differential heads (D2): each signal head's ``(q1,
+        q2)`` as two query heads zero-padded to 2d against its KV group's ``[K1 | K2]`` and V of
+        width 2d; the call's GQA map (query head i reads KV head ``i // (2·H_s / G)``) is D2's
+        ``g = i // (H_s / G)``."""
+        return 2 * self.heads(config).n_signal, config.num_kv_heads // 2, 2 * config.dim_per_head
+
+    def vllm_weights(self, config, layer_index: int) -> dict[str, ServedWeight]:
+        """DIFF V1's: the four λ vectors (D3) and the head norm's weight (D4), whole on every
+        rank. ``q_proj`` (``H_s + H_n`` heads in ``(r + 1)``-head groups) and ``o_proj`` (over
+        ``H_s·2d``) are the plugin's own projections, sized by :meth:`query_heads`,
+        :meth:`output_heads` and :meth:`output_width`."""
+        return DIFF_V1.vllm_weights(config, layer_index)
+
+    def vllm_queries(self, config, q):
+        """D2 then DIFF V1's padding: the ``(r + 1)``-head groups of ``q_proj`` on this rank
+        ``(T, (H_s + H_n)·d / tp)`` become the pairs ``(Q1_i, Q2_{i // r})``
+        (:func:`pair_with_noise`), each padded to
+        ``[q1 | 0]``, ``[0 | q2]`` (:meth:`DiffV1.vllm_queries`): ``(T, 2·H_s·2d / tp)``.
+        A rank holds whole KV groups, so whole ``(r + 1)``-head groups."""
+        tokens, d = q.shape[0], config.dim_per_head
+        paired = pair_with_noise(q.view(tokens, -1, d), self.heads(config).ratio)
+        return DIFF_V1.vllm_queries(config, paired.reshape(tokens, -1))
+
+    def vllm_output(self, config, layer_index: int, out, x, weights):
+        """D4 = DIFF V1 Eq.1 and Eq.3 on the call's output (:meth:`DiffV1.vllm_output`, the same
+        λ, rounding and head norm): ``(T, H_s·2d / tp)``, W_O's input (D5)."""
+        return DIFF_V1.vllm_output(config, layer_index, out, x, weights)
 
     def scalar_lambda(self, module) -> torch.Tensor:
         """D3 = DIFF V1 Eq.2's λ of the layer, from its λ vectors."""

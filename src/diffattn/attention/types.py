@@ -287,7 +287,8 @@ class AttentionType:
         return q
 
     def vllm_output(self, config, layer_index: int, out, x, weights):
-        """W_O's input ``(T, n_heads·d / tp)`` on one rank, from the call's output ``out``
+        """W_O's input ``(T, output_heads·output_width / tp)`` on one rank (``n_heads·d / tp``
+        unless the type changes W_O's width), from the call's output ``out``
         ``(T, heads·head size)``, the layer's input ``x`` ``(T, d_model)`` and this rank's
         parts of :meth:`vllm_weights` (``{name: tensor}``); rounded where the type's module
         rounds, so the served model computes what diffattn computes."""

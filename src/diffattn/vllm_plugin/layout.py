@@ -20,6 +20,9 @@ without vLLM, so the layout is tested on its own and its cache cost is a number,
   ``q1·K1`` and ``q2·K2``, with the scale ``d^-1/2`` of width d. The cache then holds K1, K2 at
   width d and V at 2d once per group, which is the least any layout can store, and equals the
   matched baseline's bytes per token. The price is compute: the Q·Kᵀ products run at width 2d.
+* **GDA** (arXiv 2510.06949): DIFF V1's call over its ``H_s`` signal heads, each paired with
+  the query of its noise head (``r`` signal heads share one), over DIFF V1's KV groups and
+  cache; W_O reads the ``H_s`` heads of width 2d.
 """
 
 from __future__ import annotations

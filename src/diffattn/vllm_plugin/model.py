@@ -1,12 +1,14 @@
 """``DiffAttnForCausalLM`` for vLLM: diffattn checkpoints on vLLM's paged KV cache, continuous
 batching, prefix caching and chunked prefill, for every attention type whose declaration gives
-a vLLM layout (baseline, DIFF V1, DIFF V2), each layer of its own type.
+a vLLM layout (baseline, DIFF V1, DIFF V2, GDA), each layer of its own type.
 
 Built from vLLM's own layers: ``VocabParallelEmbedding``, ``QKVParallelLinear`` (q, k, v of
 width d as the checkpoint stores them), its rotary embedding (rotate-half or interleaved as
 ``rope_style`` says), ``Attention`` over the paged cache, ``RMSNorm``, the SwiGLU's
 ``MergedColumnParallelLinear`` + ``SiluAndMul`` + ``RowParallelLinear``, ``ParallelLMHead`` and
-``LogitsProcessor``. How each layer's type becomes one stock attention call is
+``LogitsProcessor``; ``q_proj`` and ``o_proj`` are as wide as the type's ``query_heads`` and
+``output_heads · output_width`` (GDA: ``H_s + H_n`` query heads, W_O over ``H_s·2d``). How each
+layer's type becomes one stock attention call is
 :mod:`diffattn.vllm_plugin.layout`; the arithmetic around the call (DIFF V1's padded queries,
 Eq. 1 and 3, DIFF V2's ``o1 − λ·o2``) is its declaration's ``vllm_queries`` and
 ``vllm_output``, the same as diffattn's forward, rounded at the same places.
@@ -114,7 +116,7 @@ class DiffAttnAttention(nn.Module):
         self.q_size = query_heads // tp_size * d
         self.kv_size = config.num_kv_heads // tp_size * d
         self.o_proj = RowParallelLinear(
-            config.n_heads * d,
+            self.declaration.output_heads(config) * self.declaration.output_width(config),
             config.d_model,
             bias=False,
             quant_config=vllm_config.quant_config,
