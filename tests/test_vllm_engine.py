@@ -1,7 +1,7 @@
 """diffattn checkpoints on vLLM (the model plugin, ``diffattn.vllm_plugin``): greedy tokens equal
 diffattn's own ``generate`` token for token, prompt log-probabilities equal its forward, with
-prefix caching and chunked prefill on and off, GQA and MHA, for the three attention types, a
-stack of mixed types and a Dex-merged Llama; the KV cache vLLM allocates is measured.
+prefix caching and chunked prefill on and off, GQA and MHA, for the three attention types and
+GDA, stacks of mixed types and a Dex-merged Llama; the KV cache vLLM allocates is measured.
 
 One engine per checkpoint serves every test of it (pytest groups the tests by the
 module-scoped fixture), since an engine takes about 15 s to start on two cores.
@@ -49,10 +49,28 @@ CHECKPOINTS = {
     "diff_v2-gqa": ("diff_v2", dict(n_kv_heads=4), CACHING),
     "diff_v2-mha": ("diff_v2", dict(v2_paired_heads=False, v2_lambda_sigmoid=False), PLAIN),
     "mixed-gqa": ("baseline", dict(layer_types="diff_v1,baseline", n_kv_heads=4), CACHING),
+    "gda-gqa": ("gda", dict(n_kv_heads=2, attention_options={"gda": {"ratio": 3}}), CACHING),
+    "gda-mha": (
+        "gda",
+        dict(
+            n_kv_heads=4,
+            head_norm_learnable=False,
+            attention_options={"gda": {"ratio": 2, "head_budget": "outputs"}},
+        ),
+        PLAIN,
+    ),
+    "gda-mixed": (
+        "baseline",
+        dict(layer_types="gda,baseline", n_kv_heads=4, attention_options={"gda": {"ratio": 1}}),
+        CACHING,
+    ),
 }
 """Each checkpoint: ``(attention, fields, engine settings)``; ``mixed-gqa`` is a stack of mixed
 types, each layer served by its own call (DIFF V1's at width 2·head_dim, the baseline's at
-head_dim) over one paged cache."""
+head_dim) over one paged cache. GDA: ``gda-gqa`` 3:1 with 6 signal and 2 noise heads over one
+KV group (W_O over 6·2d, wider than the baseline's), ``gda-mha`` 2:1 with ``head_budget``
+'outputs' (4 signal, 2 noise heads, one per KV group), ``gda-mixed`` 1:1 beside a baseline
+layer."""
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
@@ -146,7 +164,7 @@ def test_kv_cache_is_the_baselines_size(served):
     per_token = sum(sizes.values()) / (cache.num_gpu_blocks * cache.block_size)
     assert len(sizes) == model.config.n_layers
     assert per_token == ideal_kv_cache_bytes_per_token(model.config, 4), name
-    baseline = model.config.replace(attention="baseline")
+    baseline = model.config.replace(attention="baseline", layer_types=None, attention_options={})
     assert per_token == ideal_kv_cache_bytes_per_token(baseline, 4), name
 
 
@@ -185,10 +203,11 @@ def test_a_dex_merged_llama_serves_as_the_dex_model_decodes(tmp_path):
         assert list(output.outputs[0].token_ids) == expected, len(prompt)
 
 
-@pytest.mark.parametrize("attention", ["baseline", "diff_v1", "diff_v2"])
+@pytest.mark.parametrize("attention", ["baseline", "diff_v1", "diff_v2", "gda"])
 def test_tensor_parallel_serving_equals_diffattn(attention, tmp_path, monkeypatch):
     """Two tensor-parallel workers (vLLM's CPU workers, one core each): each holds half of the
-    KV groups (whole (K1, K2) pairs for DIFF V1); greedy tokens and prompt log-probabilities
+    KV groups (whole (K1, K2) pairs for DIFF V1; for GDA 3:1 also their noise heads' groups of
+    query heads and their signal heads' W_O columns); greedy tokens and prompt log-probabilities
     equal diffattn's."""
     from vllm import SamplingParams
 
