@@ -366,3 +366,38 @@ def test_the_transformers_engine_serves_the_type(installed, trained, monkeypatch
         assert answer["choices"][0]["text"]
     finally:
         assert server.stop() == 0, server.output()
+
+
+@pytest.mark.extra("eval")
+def test_compare_and_scaling_take_the_type_and_its_option_as_arms(installed):
+    """Spawned workers (``--jobs 2``) find the type through its entry point too."""
+    from compare_helpers import tiny_overrides, write_corpus
+
+    corpus = write_corpus(installed.parent / "corpus", 16)
+    sets = [
+        *tiny_overrides(corpus, installed.parent / "compare-cache"),
+        "retrieval.steps=2", "retrieval.seeds=1", "retrieval.test_episodes=2",
+        "retrieval.d_model=16", "retrieval.grid=[4]", "retrieval.bits=[8]",
+    ]  # fmt: skip
+    out = installed.parent / "compare"
+    arms = "baseline,tempered,tempered:init_temperature=2"
+    argv = ["-m", "diffattn", "compare", "--out", str(out), "--steps", "2", "--seeds", "1",
+            "--jobs", "2", "--no-eval", "--attention", arms, "--quiet"]  # fmt: skip
+    _ok(_run(installed, *argv, *[arg for s in sets for arg in ("--set", s)], timeout=600))
+    rows = {r["attention"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert (
+        rows["tempered:init_temperature=2.0"]["model"] == "Tempered softmax (init_temperature=2.0)"
+    )
+    assert rows["tempered"]["model"] == "Tempered softmax"
+    report = (out / "report.md").read_text()
+    assert "no paper claim" in report
+    scaling = installed.parent / "scaling"
+    fields = tiny_recipe(installed.parent / "scaling-cache", eval_every=2)
+    fields["schedule"] = {"warmup_steps": 1, "total_steps": None}
+    plain = installed.parent / "scaling.yaml"  # the arms set the type: no options of one here
+    plain.write_text(yaml.safe_dump(fields), encoding="utf-8")
+    argv = ["-m", "diffattn", "scaling", "--out", str(scaling), "--config", str(plain),
+            "--sizes", "d_model=16,n_heads=2", "d_model=32,n_heads=4", "d_model=48,n_heads=6",
+            "--attention", "baseline", "tempered", "--steps", "2", "--quiet"]  # fmt: skip
+    _ok(_run(installed, *argv, timeout=900))
+    assert "Tempered softmax" in (scaling / "report.md").read_text()
