@@ -23,7 +23,7 @@ CASES = [
     (
         {"attention": "diff_v3"},
         "ModelConfig.attention: unknown attention type 'diff_v3'; choose one "
-        "of baseline, diff_v1, diff_v2",
+        "of baseline, diff_v1, diff_v2, dint, gated_diff, gda",
     ),
     ({"backend": 3}, "ModelConfig.backend: must be a backend name, got 3"),
     (
@@ -84,7 +84,7 @@ CASES = [
     (
         {"attention": "x", "rope_style": "y"},
         "ModelConfig.attention: unknown attention type 'x'; choose one of "
-        "baseline, diff_v1, diff_v2",
+        "baseline, diff_v1, diff_v2, dint, gated_diff, gda",
     ),
     (
         {"d_model": 100, "n_heads": 8, "lambda_init": 2.0},

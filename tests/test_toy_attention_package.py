@@ -16,11 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from extras import require_extra
 
 pytestmark = [require_extra("train"), pytest.mark.slow]
+
+import yaml
 
 from train_helpers import tiny_recipe
 
