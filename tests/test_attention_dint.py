@@ -20,7 +20,6 @@ from diffattn.attention.dint import VisibleRows, visible_mean, visible_rows
 from diffattn.attention.mask import AttentionMask
 from diffattn.attention.types import attention_type
 from diffattn.cache import DynamicCache, StaticCache
-from diffattn.generation import generate
 from diffattn.model import count_parameters
 from diffattn.probe import Lambda, Probe
 from differential_parity import (
@@ -238,7 +237,8 @@ def test_gamma_zero_is_diff_v1_bit_for_bit(backend, n_kv_heads, n):
 def test_an_empty_cache_is_filled_exactly_and_a_filled_one_is_refused():
     """The integral term of a new token needs every earlier token's first-map output, which a
     key/value cache does not hold: a prefill into an empty cache equals the forward without one,
-    a step after cached tokens (dynamic, static, generate) is one clear error."""
+    a step after cached tokens (dynamic, static) is one clear error; ``generate`` decodes
+    without a cache (tests/test_attention_types.py)."""
     model = build_model(make_config("dint", backend="sdpa", n_kv_heads=4))
     ids, mask = make_batch(9, 61, 3)
     with torch.no_grad():
@@ -249,8 +249,6 @@ def test_an_empty_cache_is_filled_exactly_and_a_filled_one_is_refused():
             step = torch.cat((mask, torch.ones(2, 1, dtype=torch.long)), dim=1)
             with pytest.raises(ValueError, match="cannot attend from a KV cache that holds"):
                 model(ids[:, :1], attention_mask=step, past_key_values=cache)
-        with pytest.raises(ValueError, match="use_cache=False"):
-            generate(model, ids[:1, :4], max_new_tokens=2)
 
 
 @pytest.mark.slow

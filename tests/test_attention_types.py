@@ -258,3 +258,24 @@ def test_entry_points_register_types_from_other_packages(monkeypatch):
     finally:
         unregister_attention_type("from_entry")
         types._entry_point_errors.pop("broken", None)
+
+
+def test_generate_runs_a_type_that_cannot_decode_from_a_cache_without_one():
+    """DINT declares ``decodes_from_cache = False``: every step runs the whole sequence, and
+    the tokens are the greedy ones of full forwards (left padding included)."""
+    from diffattn.generation import generate
+
+    torch.manual_seed(0)
+    model = DiffTransformerLM(ModelConfig(**SMALL, attention="dint")).eval()
+    ids, mask = (
+        torch.tensor([[1, 2, 3, 4], [0, 0, 5, 6]]),
+        torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]),
+    )
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=5, temperature=0)
+    seq, real = ids, mask
+    for _ in range(5):
+        token = model(seq, attention_mask=real).logits[:, -1].argmax(-1, keepdim=True)
+        seq, real = torch.cat([seq, token], 1), torch.cat([real, torch.ones_like(token)], 1)
+    assert torch.equal(out.sequences, seq)
+    with pytest.raises(ValueError, match="'dint' cannot decode from a KV cache, so neither"):
+        generate(model, ids, max_new_tokens=2, cache="static")

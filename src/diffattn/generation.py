@@ -506,17 +506,23 @@ class _Decoding:
     or not), and the ``(B, P + max_new_tokens)`` mask when the prompt is padded."""
 
     model: DiffTransformerLM
-    cache: DynamicCache | StaticCache
+    cache: DynamicCache | StaticCache | None
     static: bool
     step: Callable[..., torch.Tensor]
     full_mask: torch.Tensor | None
     device: torch.device
+    sequence: torch.Tensor | None = None
+    """Without a cache (``cache`` is ``None``): the tokens so far, run whole at every step."""
 
     def prefill(self, input_ids: torch.Tensor, chunk: int) -> torch.Tensor:
         """Run the prompt into the cache, ``chunk`` tokens at a time (eagerly, also when the
-        decode step is compiled); the last position's logits ``(B, vocab)``."""
+        decode step is compiled); the last position's logits ``(B, vocab)``. Without a cache
+        the prompt runs whole."""
         model, cache, full_mask = self.model, self.cache, self.full_mask
         prompt_len = input_ids.shape[1]
+        if cache is None:
+            self.sequence = input_ids
+            return self.recompute(prompt_len)
         for start in range(0, prompt_len, chunk):
             stop = min(prompt_len, start + chunk)
             piece = input_ids[:, start:stop]
@@ -527,6 +533,18 @@ class _Decoding:
                 mask = full_mask[:, :stop] if full_mask is not None else None
                 logits = model(piece, attention_mask=mask, past_key_values=cache).logits[:, -1]
         return logits
+
+    def recompute(self, length: int) -> torch.Tensor:
+        """The last position's logits of :attr:`sequence` (``length`` tokens), run whole."""
+        mask = self.full_mask[:, :length] if self.full_mask is not None else None
+        return self.model(self.sequence, attention_mask=mask).logits[:, -1]
+
+
+def _cacheless_types(model: DiffTransformerLM) -> list[str]:
+    """The attention types of ``model`` that cannot decode from a KV cache
+    (``AttentionType.decodes_from_cache``)."""
+    config = model.config
+    return [t.name for t in config.attention_types if not t.decodes_from_cache]
 
 
 def _start_decoding(
@@ -549,6 +567,15 @@ def _start_decoding(
     cache_kind, compile_mode = decoding_plan(config, model, device)
     static = cache_kind == "static"
     step = decode_step
+    cacheless = _cacheless_types(model)
+    if cacheless:
+        if static:
+            raise ValueError(
+                f"attention type {cacheless[0]!r} cannot decode from a KV cache, so neither "
+                "from a static one: generate with cache='dynamic' and no compile (each step "
+                "then runs the whole sequence)"
+            )
+        return _Decoding(model, None, False, step, full_mask, device)
     if static:
         refusal = _static_refusal(model, device)
         if refusal is not None:
@@ -597,6 +624,9 @@ def _decode(
             logits = step(
                 model, cache, token[:, None], full_mask, torch.arange(slot, slot + 1, device=device)
             )
+        elif cache is None:  # a type that cannot decode from a cache: the whole sequence
+            decoding.sequence = torch.cat([decoding.sequence, token[:, None]], dim=1)
+            logits = decoding.recompute(slot + 1)
         else:
             mask = full_mask[:, : slot + 1] if full_mask is not None else None
             logits = model(token[:, None], attention_mask=mask, past_key_values=cache).logits

@@ -301,6 +301,7 @@ class Dint(PairedHeadsType):
     colour = "tab:purple"
     module = DintAttention
     options = OPTIONS
+    decodes_from_cache = False  # G needs every earlier token's first-map output (module doc)
     source = (
         "DINT Transformer (arXiv 2501.17486); D1-D7 reconstructed from the abstract, summaries "
         "and a public implementation"

@@ -172,6 +172,9 @@ class AttentionType:
     """Claims about what the type computes, which a subclass may no longer meet: one that does
     not set them in its own body gets :class:`AttentionType`'s defaults (not served by vLLM,
     no Hugging Face format of its own) rather than its parent's values."""
+    decodes_from_cache: ClassVar[bool] = True
+    """Whether a layer can attend from a KV cache holding earlier tokens; ``generate`` runs
+    the whole sequence at every step for a type that cannot (DINT)."""
     tensor_parallel: ClassVar[bool] = False
     """Whether the type declares a tensor-parallel plan (:meth:`tp_plan`): its heads split by
     :meth:`kv_units` with ``q_proj``/``k_proj``/``v_proj`` by column and ``o_proj`` by row."""
