@@ -332,6 +332,14 @@ class RetrievalTask:
             start += size
         raise ValueError(f"unknown token kind {kind!r}")
 
+    def offsets(self) -> tuple[int, int, int, int]:
+        """The first id of the filler, prefix, suffix and value ranges (:meth:`token`'s
+        ``start``), for code that builds many tokens."""
+        filler = 2
+        prefix = filler + self.filler
+        suffix = prefix + self.prefixes
+        return filler, prefix, suffix, suffix + self.suffixes
+
 
 @dataclass
 class RetrievalEpisodes:
@@ -355,8 +363,15 @@ class RetrievalEpisodes:
 
 def retrieval_episode(task: RetrievalTask, rng: random.Random, pairs: int) -> dict[str, Any]:
     """One episode with ``pairs`` key–value pairs (see :class:`RetrievalTask`), as a dict of
-    the fields of :class:`RetrievalEpisodes` for one row."""
+    the fields of :class:`RetrievalEpisodes` for one row.
+
+    Training draws 28,800 of these per run, so the body is written for speed (token offsets
+    computed once, the generator's methods bound locally); the draws from ``rng`` and their
+    order are part of the contract: a seed gives the same episodes in every version
+    (``tests/test_retrieval_episodes.py`` pins digests of the stream)."""
     task.check_pairs(pairs)
+    randrange = rng.randrange
+    filler_at, prefix_at, suffix_at, value_at = task.offsets()
     # queried keys: distinct prefixes, each followed by its look-alikes (same prefix)
     per_query = min(task.lookalikes, (pairs - task.queries) // task.queries)
     keys: list[tuple[int, int]] = []
@@ -366,53 +381,51 @@ def retrieval_episode(task: RetrievalTask, rng: random.Random, pairs: int) -> di
         keys.extend((prefix, s) for s in rng.sample(range(task.suffixes), 1 + per_query))
     used = set(keys)
     while len(keys) < pairs:  # the rest: any unused key (may share a prefix by chance)
-        key = (rng.randrange(task.prefixes), rng.randrange(task.suffixes))
+        key = (randrange(task.prefixes), randrange(task.suffixes))
         if key not in used:
             used.add(key)
             keys.append(key)
-    values = [rng.randrange(task.values) for _ in keys]
+    values = [randrange(task.values) for _ in keys]
     order = list(range(pairs))
     rng.shuffle(order)
     filler_len = task.context - 3 * pairs
     cuts = sorted(rng.choices(range(filler_len + 1), k=pairs))  # filler before each pair
+    fillers = task.filler
     ids = [BOS]
-    start: dict[int, int] = {}
+    start = [0] * pairs
     placed = 0
     for cut, index in zip(cuts, order, strict=True):
-        ids.extend(task.token("filler", rng.randrange(task.filler)) for _ in range(cut - placed))
+        ids += [filler_at + randrange(fillers) for _ in range(cut - placed)]
         placed = cut
         start[index] = len(ids)
         prefix, suffix = keys[index]
-        ids += [
-            task.token("prefix", prefix),
-            task.token("suffix", suffix),
-            task.token("value", values[index]),
-        ]
-    ids.extend(task.token("filler", rng.randrange(task.filler)) for _ in range(filler_len - placed))
+        ids += (prefix_at + prefix, suffix_at + suffix, value_at + values[index])
+    ids += [filler_at + randrange(fillers) for _ in range(filler_len - placed)]
     ids.append(SEP)
     labels = [IGNORE_INDEX] * len(ids)
-    out: dict[str, Any] = {
-        "query_positions": [],
-        "answers": [],
-        "answer_spans": [],
-        "lookalike_spans": [],
-        "other_spans": [],
-    }
+    spans = [(begin, begin + 3) for begin in start]
+    positions, answers, answer_spans, lookalike_spans, other_spans = [], [], [], [], []
     for index in rng.sample(queried, len(queried)):
         prefix, suffix = keys[index]
-        value = task.token("value", values[index])
-        ids += [task.token("prefix", prefix), task.token("suffix", suffix), value]
-        labels += [IGNORE_INDEX, IGNORE_INDEX, value]
-        out["query_positions"].append(len(ids) - 2)
-        out["answers"].append(value)
-        out["answer_spans"].append((start[index], start[index] + 3))
-        out["lookalike_spans"].append(
-            [(start[k], start[k] + 3) for k in range(pairs) if k != index and keys[k][0] == prefix]
+        value = value_at + values[index]
+        ids += (prefix_at + prefix, suffix_at + suffix, value)
+        labels += (IGNORE_INDEX, IGNORE_INDEX, value)
+        positions.append(len(ids) - 2)
+        answers.append(value)
+        answer_spans.append(spans[index])
+        lookalike_spans.append(
+            [spans[k] for k in range(pairs) if k != index and keys[k][0] == prefix]
         )
-        out["other_spans"].append(
-            [(start[k], start[k] + 3) for k in range(pairs) if keys[k][0] != prefix]
-        )
-    return {"input_ids": ids, "labels": labels, **out}
+        other_spans.append([spans[k] for k in range(pairs) if keys[k][0] != prefix])
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "query_positions": positions,
+        "answers": answers,
+        "answer_spans": answer_spans,
+        "lookalike_spans": lookalike_spans,
+        "other_spans": other_spans,
+    }
 
 
 def retrieval_batch(
