@@ -13,9 +13,16 @@
 // j == i + offset), and key j lies in the query's document (documents[i + offset]): the rule
 // of diffattn.attention.mask.AttentionMask.
 
-#include <ATen/ATen.h>
+// Only the headers of what is used (not ATen/ATen.h): the build takes about a third less time
+// (a first use compiles this file) and the object code is the same.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
