@@ -30,6 +30,8 @@ where each option is declared)."""
 def run(args: argparse.Namespace) -> int:
     """Run the comparison; invalid settings raise ValueError (exit code 2) before any work."""
     from diffattn.compare import run_compare
+    from diffattn.compare.allocator import keep_freed_memory
 
+    keep_freed_memory()  # this process is the command's own (runs train here with --jobs 1)
     run_compare(CompareOptions.from_args(args))
     return 0

@@ -126,23 +126,32 @@ def _claim_device(devices: Sequence[str], claimed: Any) -> None:
 
 
 def worker_pool(jobs: int, devices: Sequence[str] | None = None):
-    """A ``ProcessPoolExecutor`` of ``jobs`` spawned workers; with ``devices`` (one per worker,
-    from :func:`plan_workers`) the k-th worker to start holds ``devices[k]`` for its life."""
+    """A ``ProcessPoolExecutor`` of ``jobs`` spawned workers, each keeping freed memory for
+    reuse (:func:`diffattn.compare.allocator.keep_freed_memory`); with ``devices`` (one per
+    worker, from :func:`plan_workers`) the k-th worker to start holds ``devices[k]`` for its
+    life."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     context = multiprocessing.get_context("spawn")
-    if devices is None:
-        return ProcessPoolExecutor(max_workers=jobs, mp_context=context)
-    if len(devices) != jobs:
+    if devices is not None and len(devices) != jobs:
         raise ValueError(f"{jobs} workers need {jobs} device slots, got {list(devices)}")
-    claimed = context.Value("i", 0)
+    claimed = context.Value("i", 0) if devices is not None else None
     return ProcessPoolExecutor(
         max_workers=jobs,
         mp_context=context,
-        initializer=_claim_device,
-        initargs=(tuple(devices), claimed),
+        initializer=_start_worker,
+        initargs=(tuple(devices) if devices is not None else None, claimed),
     )
+
+
+def _start_worker(devices: Sequence[str] | None, claimed: Any) -> None:
+    """Pool initializer: keep freed memory, then claim a device slot when there are any."""
+    from diffattn.compare.allocator import keep_freed_memory
+
+    keep_freed_memory()
+    if devices is not None:
+        _claim_device(devices, claimed)
 
 
 @contextmanager
