@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.config import reject_unknown_fields
+from diffattn.data.mixture import join_sources, split_sources, write_mixture_shards
 from diffattn.data.shards import (
     DEFAULT_SHARD_TOKENS,
     FORMAT_VERSION,
@@ -93,6 +94,9 @@ class DataConfig:
     """Refuse bad text: the first binary document (NUL byte) or invalid UTF-8 byte raises
     ``ValueError`` naming the file and offset. ``False``: binary documents are skipped and
     invalid bytes become U+FFFD, both counted in :class:`DataStats` and reported once."""
+    weights: tuple[float, ...] | None = None
+    """Mixture weights, one per source (:mod:`diffattn.data.mixture`); also written beside each
+    source, ``{source: SPEC, weight: W}``. ``None``: every document once."""
 
     def __post_init__(self) -> None:
         sources = self.sources
@@ -100,7 +104,12 @@ class DataConfig:
             sources = (sources,)
         if not isinstance(sources, list | tuple) or not sources:
             self._fail("sources", f"must be a non-empty list of source specs, got {sources!r}")
+        try:
+            sources, weights = split_sources(sources, self.weights)
+        except ValueError as error:
+            self._fail("sources", str(error))
         object.__setattr__(self, "sources", tuple(sources))
+        object.__setattr__(self, "weights", weights)
         for spec in self.sources:
             try:
                 check_source_spec(spec)
@@ -157,7 +166,8 @@ class DataConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        data["sources"] = list(self.sources)
+        data["sources"] = join_sources(self.sources, self.weights)
+        del data["weights"]  # beside each source of a mixture
         return data
 
     @classmethod
@@ -360,7 +370,7 @@ def prepare_data(
     # same data: the name is a hash of everything that determines it) is replaced
     with atomic_directory(directory, overwrite=True) as tmp:
         source_stats = SourceStats()
-        result = _write_shards(config, source_stats, tokenizer, tmp, progress)
+        result, mixture = _write_shards(config, source_stats, tokenizer, tmp, progress)
         if getattr(tokenizer, "backend", None) is not None:
             tokenizer.save(tmp / "tokenizer")
         stats = _data_stats(result, source_stats, source_fingerprint, tokenizer, started)
@@ -369,6 +379,7 @@ def prepare_data(
             "version": FORMAT_VERSION,
             "config": config.to_dict(),
             "stats": stats.to_dict(),
+            **mixture,
         }
         (tmp / PREPARED).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     notice = stats.text_notice()
@@ -390,6 +401,8 @@ def _preparation_key(config: DataConfig, source_fingerprint: str, tokenizer: Tok
             "valid_fraction": config.valid_fraction,
             "seed": config.seed,
             "shard_tokens": config.shard_tokens,
+            # a plain source list keeps the key it always had
+            **({"mixture": list(config.weights)} if config.weights is not None else {}),
         }
     )[:24]
 
@@ -412,19 +425,40 @@ def _reuse_prepared(
 
 def _write_shards(
     config: DataConfig, source_stats: SourceStats, tokenizer: Tokenizer, tmp: Path, progress: bool
-) -> WriteResult:
-    """Tokenise the documents into ``tmp``'s train and valid shard sets; refuse an empty corpus
-    or one with no training tokens, and warn (at ``prepare_data``'s caller) when no document
-    fell into the validation split."""
-    result = write_token_shards(
-        _documents(config, source_stats),
-        tokenizer,
-        tmp,
-        valid_fraction=config.valid_fraction,
-        seed=config.seed,
-        shard_tokens=config.shard_tokens,
-        progress=progress,
-    )
+) -> tuple[WriteResult, dict[str, Any]]:
+    """Tokenise the documents into ``tmp``'s train and valid shard sets (a mixture's through
+    :func:`~diffattn.data.mixture.write_mixture_shards`; then also ``{"mixture": record}``);
+    refuse an empty corpus or one with no training tokens, and warn (at ``prepare_data``'s
+    caller) when no document fell into the validation split."""
+    extra: dict[str, Any] = {}
+    split = {"valid_fraction": config.valid_fraction, "seed": config.seed}
+    if config.weights is not None:
+        read = {
+            "text_field": config.text_field,
+            "split": config.document_split,
+            "max_bytes": config.max_bytes,
+            "strict": config.strict,
+        }
+        result, extra["mixture"] = write_mixture_shards(
+            config.sources,
+            config.weights,
+            tokenizer,
+            tmp,
+            read=read,
+            stats=source_stats,
+            shard_tokens=config.shard_tokens,
+            progress=progress,
+            **split,
+        )
+    else:
+        result = write_token_shards(
+            _documents(config, source_stats),
+            tokenizer,
+            tmp,
+            shard_tokens=config.shard_tokens,
+            progress=progress,
+            **split,
+        )
     if result.documents == 0:
         raise _empty_corpus(config, "no documents")
     if result.train_tokens == 0:
@@ -440,7 +474,7 @@ def _write_shards(
             "the valid shard set is empty",
             stacklevel=3,  # prepare_data's caller
         )
-    return result
+    return result, extra
 
 
 def _data_stats(
