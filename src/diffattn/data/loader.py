@@ -33,6 +33,16 @@ STATE_VERSION = 1
 ShardsLike = ShardSet | str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
+def open_tokens(shards: ShardsLike | Any) -> Any:
+    """``shards`` as a token stream: a :class:`ShardSet` or any object that reads like one
+    (``num_tokens``, ``read(start, length)``, ``eos_id``, ``fingerprint``; e.g. the
+    :class:`~diffattn.data.external.TokenStream` of Megatron-LM or datatrove token files) as
+    it is, else :meth:`ShardSet.open` of a directory or a list of shard files."""
+    if hasattr(shards, "read") and hasattr(shards, "num_tokens"):
+        return shards
+    return ShardSet.open(shards)
+
+
 def _positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -98,7 +108,7 @@ class BatchLoader:
         self.local_batch_size = _check_ranks(self.batch_size, rank, world_size)
         self.rank = int(rank)
         self.world_size = int(world_size)
-        self.data = ShardSet.open(shards)
+        self.data = open_tokens(shards)
         self.num_windows = _windows(self.data, self.seq_len, "BatchLoader")
         if self.num_windows < self.batch_size:
             raise ValueError(
@@ -228,7 +238,7 @@ def eval_batches(
     if max_batches is not None:
         max_batches = _positive("max_batches", max_batches)
     local = _check_ranks(batch_size, rank, world_size)
-    data = ShardSet.open(shards)
+    data = open_tokens(shards)
     num_windows = _windows(data, seq_len, "eval_batches")
     full = num_windows // batch_size
     partial = num_windows % batch_size and not drop_last and world_size == 1

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.config import reject_unknown_fields
+from diffattn.data.external import token_sources
+from diffattn.data.external_prepare import prepare_token_files
 from diffattn.data.mixture import join_sources, split_sources, write_mixture_shards
 from diffattn.data.shards import (
     DEFAULT_SHARD_TOKENS,
@@ -351,6 +353,8 @@ def prepare_data(
     elif not isinstance(config, DataConfig):
         config = DataConfig.from_dict(config)
     check_sources_exist(config.sources)
+    if token_sources(config.sources):  # megatron:/datatrove: token files, read in place
+        return _prepare_token_files(config, progress)
     started = time.perf_counter()
     source_fingerprint = fingerprint_sources(
         config.sources,
@@ -507,6 +511,21 @@ def _data_stats(
         tokenizer=tokenizer.name,
         vocab_size=tokenizer.vocab_size,
         seconds=round(time.perf_counter() - started, 3),
+    )
+
+
+def _prepare_token_files(config: DataConfig, progress: bool) -> PreparedData:
+    """Token files other tools wrote (``megatron:``, ``datatrove:``), read in place and split
+    by :func:`~diffattn.data.external_prepare.prepare_token_files`."""
+    prepared = prepare_token_files(config, progress)
+    return PreparedData(
+        config=config,
+        tokenizer=prepared.tokenizer,
+        train=prepared.train,  # type: ignore[arg-type]  # reads like a ShardSet
+        valid=prepared.valid,  # type: ignore[arg-type]
+        stats=DataStats(**prepared.stats),
+        directory=prepared.directory,
+        cached=prepared.cached,
     )
 
 

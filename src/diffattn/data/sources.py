@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal, get_args
 from urllib.parse import parse_qsl
 
+from diffattn.data.external import check_token_spec, is_token_spec, token_source_files
 from diffattn.data.stdlib import stdlib_files, stdlib_root
 from diffattn.data.synthetic import GENERATOR_VERSION as SYNTHETIC_GENERATOR_VERSION
 from diffattn.data.synthetic import is_synthetic_spec, parse_synthetic_spec, synthetic_documents
@@ -66,7 +67,7 @@ TEXT_POLICY = "nul-skip-1"
 
 SOURCE_FORMS = (
     "'stdlib[:MAX_BYTES|:all]', 'synthetic:recall|needle[?docs=N&...]', "
-    "'hf:NAME[:CONFIG][@SPLIT][?data_files=...]', "
+    "'hf:NAME[:CONFIG][@SPLIT][?data_files=...]', 'megatron:PREFIX', 'datatrove:DIR', "
     "a file (.txt, .jsonl, .parquet, ...), a directory, or a glob pattern"
 )
 
@@ -169,6 +170,8 @@ def check_source_spec(spec: object) -> str:
         stdlib_spec_cap(spec)
     elif is_synthetic_spec(spec):
         parse_synthetic_spec(spec)
+    elif is_token_spec(spec):  # token files: diffattn.data.external
+        check_token_spec(spec)
     return spec
 
 
@@ -210,7 +213,9 @@ def check_sources_exist(specs: Iterable[str]) -> None:
     """Fail early (``ValueError`` naming the spec) when a local source does not exist."""
     for spec in specs:
         check_source_spec(spec)
-        if not (is_stdlib_spec(spec) or is_synthetic_spec(spec) or spec.startswith(HF_PREFIX)):
+        if is_token_spec(spec):
+            token_source_files(spec)
+        elif not (is_stdlib_spec(spec) or is_synthetic_spec(spec) or spec.startswith(HF_PREFIX)):
             resolve_files(spec)
 
 
@@ -539,6 +544,8 @@ def _iter_one(
         yield from synthetic_documents(spec)
     elif spec.startswith(HF_PREFIX):
         yield from read_hf_dataset(spec, text_field=text_field, stats=stats, strict=strict)
+    elif is_token_spec(spec):
+        raise ValueError(f"source {spec!r} holds token ids, not text documents")
     else:
         for path in resolve_files(spec):
             yield from read_file(
@@ -623,6 +630,8 @@ def fingerprint_sources(
             entries.append([spec, SYNTHETIC_GENERATOR_VERSION])
         elif spec.startswith(HF_PREFIX):
             entries.append([spec])
+        elif is_token_spec(spec):
+            entries.append([spec, [_file_entry(p) for p in token_source_files(spec)]])
         else:
             entries.append([spec, [_file_entry(p) for p in resolve_files(spec)]])
     payload = json.dumps(
