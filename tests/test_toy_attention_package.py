@@ -104,7 +104,8 @@ def recipe(installed, tmp_path_factory):
     """A tiny recipe of the toy type with one option set."""
     cache = tmp_path_factory.mktemp("toy-data")
     fields = tiny_recipe(cache, steps=4, checkpoint_every=2, keep_last=None)
-    fields["model"].update(attention="tempered", attention_options=OPTIONS)
+    # a context of 160 tokens leaves room for eval needle's shortest prompt (73 tokens here)
+    fields["model"].update(attention="tempered", attention_options=OPTIONS, max_seq_len=160)
     path = installed.parent / "tempered.yaml"
     path.write_text(yaml.safe_dump(fields), encoding="utf-8")
     return path
@@ -253,6 +254,46 @@ def test_the_probe_captures_the_types_maps(installed, trained):
         )
     )
     assert list(out.glob("*.png")) and list(out.glob("*.json"))
+
+
+EVAL_ANALYSES = {
+    "loss": ["--max-tokens", "600"],
+    "outliers": ["--max-tokens", "600", "--bits", "16", "8", "4"],
+    "needle": [
+        "--needles",
+        "1",
+        "--digits",
+        "1",
+        "--lengths",
+        "100",
+        "--depths",
+        "0",
+        "100",
+        "--samples",
+        "1",
+        "--max-new-tokens",
+        "4",
+    ],
+    "heads": ["--seq-len", "24", "--max-tokens", "120"],
+    "hessian": ["--seq-len", "24", "--batches", "2", "--iters", "3"],
+}
+"""Every analysis of ``diffattn eval`` that takes a trained model of any type (``effective``
+needs a Dex adapter, ``mc``/``icl``/``hallucination`` data or a judge the tiny run cannot
+answer), at sizes a 64-token, 2-layer model takes."""
+
+
+@pytest.mark.parametrize("analysis", list(EVAL_ANALYSES))
+def test_every_eval_analysis_measures_the_type(installed, trained, analysis):
+    out = installed.parent / f"eval-{analysis}"
+    argv = ["-m", "diffattn", "eval", analysis, str(trained), "--out", str(out), "--quiet"]
+    _ok(_run(installed, *argv, *EVAL_ANALYSES[analysis]))
+    record = json.loads((out / "results.json").read_text())
+    assert record["experiment"] == analysis
+    (entry,) = record["results"]["models"].values()
+    assert entry, f"{analysis} measured nothing"
+    text = json.dumps(entry)
+    assert "NaN" not in text or analysis == "heads", text[:500]  # heads pads absent maps
+    assert list(out.glob("*.png")) and (out / "report.md").is_file()
 
 
 def test_the_hub_export_carries_the_type_where_neither_package_imports(installed, trained):
