@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
+
+from extras import require_extra
+
+pytestmark = require_extra("train")
+
+import numpy as np
 
 from diffattn.data import DataConfig, prepare_data
 from diffattn.data.mixture import plan_mixture

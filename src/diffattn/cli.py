@@ -15,6 +15,7 @@ from diffattn.commands.extras import VERB_EXTRAS, add_unavailable, missing_extra
 VERBS: tuple[tuple[str, str], ...] = (
     ("compare", "train baseline, DIFF V1 and DIFF V2 the same way and report (the main job)"),
     ("train", "train a model from a YAML recipe (single process or torchrun)"),
+    ("data", "prepare token shards apart from training (train's cache), inspect them"),
     ("generate", "generate text from a model directory, streaming tokens"),
     ("serve", "serve a model over an OpenAI-compatible HTTP API (transformers serve)"),
     ("convert", "convert weights between HF Llama / DiffLlama / GGUF and diffattn"),
