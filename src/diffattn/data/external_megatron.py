@@ -59,8 +59,16 @@ def megatron_prefixes(prefix: str) -> list[str]:
 
 
 def megatron_files(prefix: str) -> list[Path]:
-    """The ``.idx`` and ``.bin`` files of every dataset ``prefix`` names."""
-    return [Path(p + suffix) for p in megatron_prefixes(prefix) for suffix in (".idx", ".bin")]
+    """The ``.idx`` and ``.bin`` files of every dataset ``prefix`` names; ``ValueError``
+    naming a missing one."""
+    files = []
+    for found in megatron_prefixes(prefix):
+        idx, bin_path = Path(found + ".idx"), Path(found + ".bin")
+        for path in (idx, bin_path):
+            if not path.is_file():
+                raise ValueError(f"{path}: missing (a Megatron dataset is {idx} and {bin_path})")
+        files += [idx, bin_path]
+    return files
 
 
 def _read_header(idx: Path) -> tuple[np.dtype, int, int]:
@@ -98,10 +106,7 @@ def read_megatron(prefix: str) -> tuple[Path, np.dtype, np.ndarray]:
     S, and that ``.bin`` holds exactly the tokens the index promises; each failure is one
     ``ValueError`` naming the file (and the byte or entry).
     """
-    idx, bin_path = Path(prefix + ".idx"), Path(prefix + ".bin")
-    for path in (idx, bin_path):
-        if not path.is_file():
-            raise ValueError(f"{path}: missing (a Megatron dataset needs {idx} and {bin_path})")
+    idx, bin_path = megatron_files(prefix)
     dtype, sequences, indices = _read_header(idx)
     index = np.memmap(idx, dtype=np.uint8, mode="r")
     start = _HEAD.size

@@ -16,9 +16,11 @@ descriptions (the tokens stay in the files).
   ``tiktoken:``). The largest id must lie below its vocabulary size, and a datatrove file's
   metadata (tokenizer name, token width) must agree with it.
 * **Cache key.** Every file's path, size and modification time (no content read), the
-  tokenizer's content hash, ``valid_fraction`` and ``seed``, as for text sources. The streams'
-  fingerprint (kept in the loader's state) hashes the index files' content, the token files'
-  sizes and the split, so a copy of the files elsewhere resumes the same run.
+  tokenizer's content hash, ``valid_fraction`` and ``seed``, as for text sources: a start with
+  unchanged files reads nothing but the cached description. The streams' fingerprint (kept in
+  the loader's state) hashes the content of the token and index files, taken during the
+  preparation's one pass over the tokens, and the split: a copy of the files elsewhere resumes
+  the same run, other tokens of the same size do not.
 """
 
 from __future__ import annotations
@@ -141,10 +143,11 @@ def prepare_token_files(config: Any, progress: bool = True) -> TokenPreparation:
     for file in files:
         check_file_tokenizer(file, tokenizer)
     documents = _Documents()
+    described = []
     for number, file in enumerate(files):
-        _scan(file, number, tokenizer, config.seed, config.valid_fraction, documents)
+        content = _scan(file, number, tokenizer, config.seed, config.valid_fraction, documents)
+        described.append([file.dtype.str, file.num_tokens, content, _file_sha256(file.index)])
     table = documents.joined()
-    described = [[f.dtype.str, f.num_tokens, _file_sha256(f.index)] for f in files]
     with atomic_directory(directory, overwrite=True) as tmp:
         streams = {}
         for split in ("train", "valid"):
@@ -221,11 +224,12 @@ def _scan(
     seed: int,
     valid_fraction: float,
     out: _Documents,
-) -> None:
+) -> str:
     """Append ``file``'s documents to ``out``: each one's EOS, emptiness and split, reading
     the file in pieces of about :data:`SCAN_TOKENS` tokens; ``ValueError`` naming the file and
-    the token for an id outside the vocabulary."""
+    the token for an id outside the vocabulary. Returns the sha256 of the file's tokens."""
     tokens, bounds, eos = file.tokens(), file.bounds, tokenizer.eos_id
+    content_digest = hashlib.sha256()
     key = seed.to_bytes(8, "little", signed=True)
     threshold = valid_fraction * 2.0**64
     first = 0
@@ -233,7 +237,9 @@ def _scan(
         base = int(bounds[first])
         last = int(np.searchsorted(bounds, base + SCAN_TOKENS, side="right")) - 1
         last = min(max(last, first + 1), file.num_documents)
-        piece = np.asarray(tokens[base : int(bounds[last])], dtype=np.int64)
+        raw = tokens[base : int(bounds[last])]
+        content_digest.update(memoryview(np.ascontiguousarray(raw)).cast("B"))
+        piece = np.asarray(raw, dtype=np.int64)
         if piece.size and (piece.min() < 0 or piece.max() >= tokenizer.vocab_size):
             bad = int(np.argmax((piece < 0) | (piece >= tokenizer.vocab_size)))
             raise ValueError(
@@ -263,6 +269,7 @@ def _scan(
         out.keep.append(content > 0)
         out.valid.append(held_out)
         first = last
+    return content_digest.hexdigest()
 
 
 def _file_sha256(path: Path) -> str:
@@ -283,7 +290,7 @@ def _stream(
 ) -> TokenStream:
     """The documents of ``split`` as a stream: consecutive documents that lie back to back in
     one file and need no EOS between them form one segment. ``described`` identifies the files
-    (token type, tokens, their index's sha256) in the fingerprint."""
+    (token type, tokens, the sha256 of the tokens and of the index) in the fingerprint."""
     chosen = table["keep"] & (table["valid"] if split == "valid" else ~table["valid"])
     picked = np.flatnonzero(chosen)
     file, start = table["file"][picked], table["start"][picked]
