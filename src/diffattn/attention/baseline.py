@@ -41,6 +41,7 @@ class Baseline(AttentionType):
     hf_format = "hf-llama"
     tensor_parallel = True
     bench_by_default = True
+    context_parallel_reason = None  # rows over the gathered K/V (attention.context_parallel)
 
 
 BASELINE = register_attention_type(Baseline())

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from diffattn.attention.context_parallel import active_split
 from diffattn.attention.mask import AttentionMask
 from diffattn.attention.observe import MapRecorder, observing
 from diffattn.config import ModelConfig
@@ -90,7 +91,11 @@ class ProjectedAttention(nn.Module):
         module's :meth:`attend`, and W_O over the merged heads. Returns ``(B, N, d_model)``
         and, with ``need_weights``, the layer's :class:`AttentionMaps`."""
         q, k, v = project_qkv(self, x, rope, cache, self.value_width_factor * self.head_dim)
-        out, maps = self.attend(x, q, k, v, mask, need_weights)
+        split = active_split()  # context parallelism: this rank's rows over every rank's K/V
+        if split is None:
+            out, maps = self.attend(x, q, k, v, mask, need_weights)
+        else:
+            out, maps = split.attend(self, x, q, k, v, need_weights, cache)
         return self.o_proj(merge_heads(out)), maps
 
     def attend(

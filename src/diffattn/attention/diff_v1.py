@@ -152,6 +152,7 @@ class DiffV1(AttentionType):
     vllm_reason = None
     hf_format = "hf-diffllama"
     tensor_parallel = True
+    context_parallel_reason = None  # each map normalised by the kernel over the gathered keys
     heads_per_output_head = 2
 
     def check(self, config):

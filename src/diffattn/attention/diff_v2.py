@@ -81,6 +81,7 @@ class DiffV2(AttentionType):
     lambda_key = "lambda_mean"
     vllm_reason = None
     tensor_parallel = True
+    context_parallel_reason = None  # λ = sigmoid(x W_λ) is token-wise: local to each rank
 
     def query_heads(self, config) -> int:
         return 2 * config.n_heads

@@ -314,6 +314,11 @@ class Dint(PairedHeadsType):
         "KV cache does not hold"
     )
     tensor_parallel = True
+    context_parallel_reason = (
+        "DINT's integral term (D4) averages the first map's outputs over earlier query rows, "
+        "which live on other context-parallel ranks; gathered keys and values do not "
+        "determine them"
+    )
 
     def scalar_lambda(self, module) -> torch.Tensor:
         """λ of DIFF V1 Eq.2 from the layer's four vectors (γ = λ by default)."""

@@ -200,6 +200,7 @@ class GatedDiff(PairedHeadsType):
     entry = "diff_v2"  # the kernel entry point its module calls (and observers see)
     vllm_reason = "the diffattn vLLM plugin declares no layout for the per-token gate of two maps"
     tensor_parallel = True
+    context_parallel_reason = None  # the gate is token-wise: local to each rank
 
     def token_lambda(self, module):
         """``gate_proj``'s output z ``(B, N, H)``, read as G3's λ (``g`` or ``(1 − g)/g``)."""

@@ -203,6 +203,7 @@ class Gda(AttentionType):
     lambda_key = "lambda"
     vllm_reason = None  # DIFF V1's call over the signal heads paired with their noise heads
     tensor_parallel = True
+    context_parallel_reason = None  # DIFF V1's call: rows over the gathered K/V
     heads_per_output_head = 2  # exact for ratio 1 and head_budget 'outputs'
 
     # --- heads ----------------------------------------------------------------------------

@@ -168,7 +168,19 @@ class AttentionType:
     """The Hugging Face format of its own that ``diffattn convert --to FORMAT`` writes a model
     of this type as (``hf-llama``: ``LlamaForCausalLM``, ``hf-diffllama``:
     ``DiffLlamaForCausalLM``), or ``None``: only ``--to hub``. Not inherited."""
-    NOT_INHERITED: ClassVar[tuple[str, ...]] = ("vllm_reason", "hf_format", "bench_by_default")
+    context_parallel_reason: ClassVar[str | None] = (
+        "no context-parallel split is declared for this type"
+    )
+    """Why its layers cannot split the sequence over context-parallel ranks, or ``None`` when
+    they can: each query's output depends only on its own token and the keys and values it may
+    see, so every rank computes exact rows over the gathered K/V
+    (:mod:`diffattn.attention.context_parallel`). Not inherited."""
+    NOT_INHERITED: ClassVar[tuple[str, ...]] = (
+        "vllm_reason",
+        "hf_format",
+        "bench_by_default",
+        "context_parallel_reason",
+    )
     """Claims about what the type computes, which a subclass may no longer meet: one that does
     not set them in its own body gets :class:`AttentionType`'s defaults (not served by vLLM,
     no Hugging Face format of its own) rather than its parent's values."""

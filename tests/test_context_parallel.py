@@ -1,0 +1,128 @@
+"""Context parallelism (:mod:`diffattn.attention.context_parallel`,
+:mod:`diffattn.train.context_parallel`): the load-balanced layout, the types' declarations, and
+(CPU, gloo, torchrun on 127.0.0.1, ``cp_worker.py``) the loss, the logits gathered back and every
+parameter gradient of 2 and 4 ranks against one process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from diffattn import ModelConfig
+from diffattn.attention.context_parallel import ChunkLayout, layout_problem
+from diffattn.attention.types import AttentionType, attention_type, attention_type_names
+from diffattn.train.context_parallel import model_problem
+from extras import require_extra
+
+pytestmark = [require_extra("train"), pytest.mark.usefixtures("one_thread")]
+
+from train_helpers import REPO, torchrun_target
+
+WORKER = str(REPO / "tests" / "cp_worker.py")
+TYPES_BY_HEADS = [f"{t}:{kv}:{docs}" for t in ("baseline", "diff_v1", "diff_v2")
+                  for kv in ("gqa", "mha") for docs in ("plain", "packed")]  # fmt: skip
+OTHERS = ["gda:gqa:packed", "gated_diff:gqa:packed", "diff_v1:gqa:padded"]
+
+
+def _run(nproc: int, dtype: str, backend: str, cases: list[str]) -> list[dict]:
+    result = torchrun_target([WORKER, dtype, backend, ",".join(cases)], nproc, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == len(cases) + (1 if "refusals" in cases else 0), result.stdout
+    return rows
+
+
+def _check(rows: list[dict], nproc: int, dtype: str) -> None:
+    tolerance = 1e-12 if dtype == "float64" else 1e-5
+    for row in rows:
+        if "refusal" in row:
+            continue
+        assert row["world"] == nproc, row
+        assert row["grad_failures"] == [], row
+        for key in ("loss_diff", "logit_diff"):
+            assert row[key] <= tolerance, row
+        if dtype == "float64":
+            assert row["grad_diff"] <= tolerance, row
+
+
+# --- the layout ---------------------------------------------------------------------------
+@pytest.mark.parametrize("degree", [1, 2, 3, 4])
+def test_every_rank_holds_two_chunks_and_reads_the_same_number_of_keys(degree):
+    n = 2 * degree * 5
+    layouts = [ChunkLayout(n, degree, r) for r in range(degree)]
+    held = torch.cat([layout.positions() for layout in layouts])
+    assert sorted(held.tolist()) == list(range(n))  # every position on exactly one rank
+    keys = {sum((i + 1) * layout.chunk for i in layout.chunks) for layout in layouts}
+    assert keys == {(2 * degree + 1) * 5}  # causal work balanced
+    order = layouts[0].global_order()
+    assert torch.equal(held[order], torch.arange(n))
+
+
+def test_shard_keeps_the_rank_s_chunks_in_local_order():
+    layout = ChunkLayout(16, 2, 1)  # chunks 1 and 2 of four chunks of 4
+    row = torch.arange(100, 116)[None]
+    assert layout.shard(row).tolist() == [[104, 105, 106, 107, 108, 109, 110, 111]]
+    assert ChunkLayout(16, 2, 0).shard(row).tolist() == [[100, 101, 102, 103, 112, 113, 114, 115]]
+
+
+@pytest.mark.parametrize("n", [0, 7, 12])
+def test_a_length_that_does_not_cut_into_two_chunks_a_rank_is_refused(n):
+    why = layout_problem(n, 4)
+    assert why is not None and "multiple of 8" in why and f"got {n}" in why
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ChunkLayout(n, 4, 0)
+    assert layout_problem(16, 4) is None
+
+
+# --- the declarations ---------------------------------------------------------------------
+def test_built_in_types_declare_whether_they_split():
+    reasons = {
+        name: attention_type(name).context_parallel_reason for name in attention_type_names()
+    }
+    assert {name for name, why in reasons.items() if why is None} >= {
+        "baseline", "diff_v1", "diff_v2", "gated_diff", "gda"
+    }  # fmt: skip
+    assert "earlier query rows" in reasons["dint"]
+
+
+def test_a_subclass_does_not_inherit_the_claim_that_it_splits():
+    class Derived(type(attention_type("baseline"))):
+        name = "derived_for_cp"
+
+    assert "no context-parallel split is declared" in Derived().context_parallel_reason
+    assert AttentionType.context_parallel_reason is not None
+
+
+def test_a_model_with_a_type_that_cannot_split_is_refused_by_its_reason():
+    dint = ModelConfig(attention="dint", n_heads=4, n_kv_heads=2)
+    assert "'dint' cannot split the sequence" in model_problem(dint, 2)
+    assert model_problem(dint, 1) is None
+    assert model_problem(ModelConfig(attention="diff_v2"), 4) is None
+
+
+# --- against one process (torchrun) -------------------------------------------------------
+def test_two_ranks_equal_one_process_in_float64_and_refuse_bad_input():
+    cases = ["diff_v1:gqa:packed", "diff_v2:gqa:plain", "baseline:mha:padded", "refusals"]
+    rows = _run(2, "float64", "sdpa", cases)
+    _check(rows, 2, "float64")
+    refusals = {row["refusal"]: row["error"] for row in rows if "refusal" in row}
+    assert "multiple of 4, got 6" in refusals["length"]
+    assert "'dint' cannot split the sequence" in refusals["dint"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize(
+    ("dtype", "backend"), [("float64", "sdpa"), ("float32", "reference"), ("float32", "fused")]
+)
+def test_ranks_equal_one_process_for_every_type_heads_and_documents(nproc, dtype, backend):
+    rows = _run(nproc, dtype, backend, TYPES_BY_HEADS + OTHERS)
+    _check(rows, nproc, dtype)
+
+
+@pytest.mark.slow
+def test_checkpointed_blocks_gather_again_in_backward():
+    cases = ["diff_v1:gqa:packed", "diff_v2:mha:padded", "gated_diff:gqa:plain"]
+    _check(_run(4, "float32", "sdpa+ckpt", cases), 4, "float32")
