@@ -353,8 +353,12 @@ def test_settings_that_do_not_apply_to_token_files_are_refused(tmp_path, small):
     spec = f"megatron:{prefix}"
     with pytest.raises(ValueError, match="token files hold ids only"):
         prepare(spec, small, tmp_path / "cache", tokenizer="bpe:512")
-    with pytest.raises(ValueError, match="max_bytes"):
+    with pytest.raises(ValueError, match=r"DataConfig\.max_bytes: 1000 applies to text sources"):
         prepare(spec, small, tmp_path / "cache", max_bytes=1000)
+    with pytest.raises(ValueError, match=r"DataConfig\.document_split: 'line' applies to text"):
+        prepare(spec, small, tmp_path / "cache", document_split="line")
+    with pytest.raises(ValueError, match="weights"):
+        prepare(spec, small, tmp_path / "cache", weights=[2.0])
     with pytest.raises(ValueError, match="cannot be mixed with text"):
         prepare(spec, small, tmp_path / "cache", sources=[spec, "stdlib"])
     with pytest.raises(ValueError, match=r"no .*m2\.idx"):

@@ -25,6 +25,7 @@ descriptions (the tokens stay in the files).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -52,6 +53,16 @@ from diffattn.fileio import atomic_directory
 PREPARED = "prepared.json"
 PREPARED_FORMAT = "diffattn-prepared-data"
 TOKENS_FORMAT = "diffattn-token-files-1"
+TEXT_SETTINGS = (
+    "text_field",
+    "document_split",
+    "max_bytes",
+    "bpe_train_bytes",
+    "shard_tokens",
+    "strict",
+    "weights",
+)
+"""``DataConfig`` fields that shape how text becomes tokens: token files take their defaults."""
 SCAN_TOKENS = 1 << 22
 """Tokens read at once while scanning a file."""
 
@@ -95,17 +106,20 @@ def _hash(payload: Any) -> str:
 
 
 def check_token_config(config: Any) -> Tokenizer:
-    """The tokenizer of a configuration of token sources; ``ValueError`` for settings that do
-    not apply to token files (a ``bpe:`` tokenizer, ``max_bytes``)."""
+    """The tokenizer of a configuration of token sources; ``ValueError`` for a ``bpe:``
+    tokenizer and for any setting of :data:`TEXT_SETTINGS` other than its default."""
     if parse_tokenizer_spec(config.tokenizer).kind == "bpe":
         raise ValueError(
             f"DataConfig.tokenizer: token files hold ids only; name the tokenizer they were "
             f"written with (hf:PATH or tiktoken:NAME), not {config.tokenizer!r}"
         )
-    if config.max_bytes is not None:
-        raise ValueError(
-            "DataConfig.max_bytes: caps text, it does not apply to token files; set it to null"
-        )
+    for setting in dataclasses.fields(config):
+        value = getattr(config, setting.name)
+        if setting.name in TEXT_SETTINGS and value != setting.default:
+            raise ValueError(
+                f"DataConfig.{setting.name}: {value!r} applies to text sources, not to token "
+                f"files ({', '.join(config.sources)}); leave it at {setting.default!r}"
+            )
     return load_tokenizer(config.tokenizer)
 
 
