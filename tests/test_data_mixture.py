@@ -139,3 +139,17 @@ def test_plan_is_exact_for_equal_documents_and_seeded():
     assert plan == plan_mixture(lengths, [1, 1], seed=3)
     assert plan != plan_mixture(lengths, [1, 1], seed=4)
     assert sorted(plan_mixture(lengths, [2, 2], seed=3)) == sorted(plan)  # only ratios count
+
+
+def test_weights_on_token_file_sources_are_refused(tmp_path, monkeypatch):
+    """megatron:/datatrove: sources are read in place, each document once: weights on them are
+    refused rather than ignored (the dispatch is stood in for; no token files needed)."""
+    from diffattn.data import prepare as prepare_module
+
+    monkeypatch.setattr(prepare_module, "token_sources", lambda specs: True)
+    config = _config(tmp_path, [RECALL, NEEDLE], weights=[1, 1])
+    with pytest.raises(ValueError, match="mixture weights apply to text sources"):
+        prepare_data(config, progress=False)
+    plain = _config(tmp_path, [RECALL, NEEDLE])
+    monkeypatch.setattr(prepare_module, "_prepare_token_files", lambda config, progress: "read")
+    assert prepare_data(plain, progress=False) == "read"

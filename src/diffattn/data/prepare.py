@@ -354,6 +354,11 @@ def prepare_data(
         config = DataConfig.from_dict(config)
     check_sources_exist(config.sources)
     if token_sources(config.sources):  # megatron:/datatrove: token files, read in place
+        if config.weights is not None:
+            raise ValueError(
+                "mixture weights apply to text sources; megatron: and datatrove: token files "
+                "are read in place, each document once"
+            )
         return _prepare_token_files(config, progress)
     started = time.perf_counter()
     source_fingerprint = fingerprint_sources(

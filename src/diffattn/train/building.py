@@ -122,6 +122,19 @@ class TrainerBuilding:
                 f"{model_config.vocab_size} is smaller than the tokenizer's {self.vocab} tokens "
                 f"({getattr(self.data.tokenizer, 'name', 'tokenizer')})",
             )
+        self._check_model_tokenizer()
+
+    def _check_model_tokenizer(self) -> None:
+        """The shards' tokenizer is the one saved with the checkpoint resumed or the
+        ``init_from`` model (when it saved one); else one error naming both."""
+        from diffattn.data.tokenizer_match import tokenizer_mismatch
+
+        model_dir = self.checkpoint_found or self.init_source
+        if model_dir is None or not hasattr(self.data.tokenizer, "encode"):
+            return
+        problem = tokenizer_mismatch(self.data.tokenizer, self.data.train, Path(model_dir))
+        if problem is not None:
+            raise ConfigError("data.tokenizer", problem)
 
     def _build_model(self) -> None:
         """The seeded model, parallelised; a resumed run's weights loaded into it."""
