@@ -185,6 +185,33 @@ def test_reads_at_every_offset_match_the_whole_stream(tmp_path, small):
         stream.read(stream.num_tokens - 1, 2)
 
 
+def test_gathered_reads_equal_reads_segment_by_segment(tmp_path, small):
+    """The index-array gather of windows over many segments against the per-segment copy,
+    over two files, appended and stored EOS, documents of 1 to 9 tokens and a split that
+    leaves gaps between the train documents."""
+    rng = random.Random(13)
+    docs = [[rng.randrange(1, 1000) for _ in range(rng.randint(1, 9))] for _ in range(400)]
+    write_megatron(tmp_path / "a", docs[:150], np.int32, eos=True)
+    write_megatron(tmp_path / "b", docs[150:], np.uint16)
+    data = prepare(f"megatron:{tmp_path}/[ab]", small, tmp_path / "cache", valid_fraction=0.3)
+    for stream in (data.train, data.valid):
+        whole = np.asarray(stream_of([d.tolist() for d in stream.documents()]))
+        assert stream.segments.shape[1] > 100 and whole.shape[0] == stream.num_tokens
+        for start in range(0, stream.num_tokens, 7):
+            for length in (1, 2, 9, 129):
+                length = min(length, stream.num_tokens - start)
+                starts = stream.segments[0]
+                first = int(np.searchsorted(starts, start, side="right")) - 1
+                last = int(np.searchsorted(starts, start + length, side="left"))
+                rows = np.asarray(stream.segments[:, first:last])
+                gathered, copied = np.empty(length, np.int64), np.empty(length, np.int64)
+                stream._gather(gathered, start, rows)
+                stream._copy_segments(copied, start, rows)
+                assert np.array_equal(gathered, copied)
+                assert np.array_equal(gathered, whole[start : start + length])
+                assert np.array_equal(stream.read(start, length), gathered)
+
+
 # ------------------------------------------------------------------------------------------
 # the validation split
 def test_validation_split_follows_the_token_hash_whatever_the_format(tmp_path, small):

@@ -39,6 +39,8 @@ STREAM_VERSION = 1
 STREAM_FILE = "stream.json"
 SEGMENTS_FILE = "segments.npy"
 DOCUMENTS_FILE = "documents.npy"
+GATHER_SEGMENTS = 8
+"""A read over more segments than this gathers by index arrays (:meth:`TokenStream._gather`)."""
 SEGMENT_FIELDS = ("start", "file", "offset", "length", "eos")
 """Rows of the segments array (shape ``(5, S)``, int64): segment s begins at stream position
 ``start[s]`` with ``length[s]`` tokens of file ``file[s]`` from token ``offset[s]``, then one
@@ -201,15 +203,46 @@ class TokenStream:
         starts = self.segments[0]
         first = int(np.searchsorted(starts, start, side="right")) - 1
         last = int(np.searchsorted(starts, end, side="left"))
-        rows = np.asarray(self.segments[:, first:last]).T.tolist()
-        for begin, file, offset, count, eos in rows:
+        rows = np.asarray(self.segments[:, first:last])
+        if rows.shape[1] > GATHER_SEGMENTS:
+            self._gather(out, start, rows)
+        else:
+            self._copy_segments(out, start, rows)
+        return out
+
+    def _copy_segments(self, out: np.ndarray, start: int, rows: np.ndarray) -> None:
+        """Fill ``out`` (the stream from ``start``) from the segments ``rows`` one by one: the
+        reference :meth:`_gather` is tested against."""
+        end = start + out.shape[0]
+        for begin, file, offset, count, eos in rows.T.tolist():
             lo, hi = max(start, begin), min(end, begin + count)
             if hi > lo:
                 source = self._tokens[file]
                 out[lo - start : hi - start] = source[offset + lo - begin : offset + hi - begin]
             if eos and start <= begin + count < end:
                 out[begin + count - start] = self.eos_id
-        return out
+
+    def _gather(self, out: np.ndarray, start: int, rows: np.ndarray) -> None:
+        """What :meth:`_copy_segments` does, with one index array per file instead of a
+        Python step per segment (windows over many short documents)."""
+        begin, file, offset, count, eos = rows
+        end = start + out.shape[0]
+        lo, hi = np.maximum(begin, start), np.minimum(begin + count, end)
+        take = np.maximum(hi - lo, 0)
+        within = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)
+        target = np.repeat(lo - start, take) + within
+        source = np.repeat(offset + lo - begin, take) + within
+        files = np.unique(file)
+        if files.shape[0] == 1:
+            out[target] = self._tokens[int(files[0])][source]
+        else:
+            owner = np.repeat(file, take)
+            for number in files.tolist():
+                mine = owner == number
+                out[target[mine]] = self._tokens[number][source[mine]]
+        ends = begin + count
+        appended = (eos == 1) & (ends >= start) & (ends < end)
+        out[ends[appended] - start] = self.eos_id
 
     def documents(self) -> Iterator[np.ndarray]:
         """Each document's tokens (without its EOS), in order."""
