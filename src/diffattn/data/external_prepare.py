@@ -180,7 +180,7 @@ def prepare_token_files(config: Any, progress: bool = True) -> TokenPreparation:
             "config": config.to_dict(),
             "stats": stats,
             "token_files": {
-                "files": [str(f.path) for f in files],
+                "files": [str(f.path.resolve()) for f in files],
                 "documents": len(table["keep"]),
                 "skipped_empty": int((~table["keep"]).sum()),
                 "eos_appended": int((table["needs_eos"] & table["keep"]).sum()),
