@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from diffattn.data.external import STREAM_FILE, TokenStream
 from diffattn.data.prepare import PREPARED, PREPARED_FORMAT, DataConfig, load_prepared_tokenizer
 from diffattn.data.shards import MANIFEST, ShardSet
 from diffattn.data.sources import fingerprint_sources
@@ -37,16 +38,21 @@ def _refuse_partial(path: Path) -> None:
             )
 
 
-def _open_set(directory: Path, verify: bool) -> ShardSet:
-    """The shard set in ``directory``; a manifest of the right format that lacks an entry is
-    named like any other corrupt file."""
+def _open_set(directory: Path, verify: bool) -> Any:
+    """The shard set in ``directory`` (or, without ``manifest.json``, the stream of token files
+    read in place that a ``megatron:``/``datatrove:`` preparation saved there); a manifest of
+    the right format that lacks an entry is named like any other corrupt file."""
+    if not (directory / MANIFEST).is_file() and (directory / STREAM_FILE).is_file():
+        return TokenStream.open(directory)
     try:
         return ShardSet.open(directory, verify="sha256" if verify else "size")
     except (KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{directory / MANIFEST}: malformed manifest ({error!r})") from None
 
 
-def _shard_rows(shards: ShardSet, root: Path) -> list[dict[str, Any]]:
+def _shard_rows(shards: ShardSet | TokenStream, root: Path) -> list[dict[str, Any]]:
+    if isinstance(shards, TokenStream):  # token files read in place: no shards of ours
+        return []
     return [
         {
             "file": shard.path.relative_to(root).as_posix(),
@@ -58,8 +64,13 @@ def _shard_rows(shards: ShardSet, root: Path) -> list[dict[str, Any]]:
     ]
 
 
-def _document(shards: ShardSet, index: int) -> np.ndarray:
+def _document(shards: ShardSet | TokenStream, index: int) -> np.ndarray:
     """Document ``index`` of the set (its ids without EOS)."""
+    if isinstance(shards, TokenStream):
+        offsets = shards.document_offsets
+        last = index + 1 == shards.num_documents
+        end = shards.num_tokens if last else int(offsets[index + 1])
+        return shards.read(int(offsets[index]), end - int(offsets[index]))[:-1]
     for shard in shards.shards:
         if index < shard.num_documents:
             begin = int(shard.document_offsets[index])
@@ -70,7 +81,9 @@ def _document(shards: ShardSet, index: int) -> np.ndarray:
     raise IndexError(index)
 
 
-def _samples(shards: ShardSet, tokenizer: Tokenizer | None, count: int) -> list[dict[str, Any]]:
+def _samples(
+    shards: ShardSet | TokenStream, tokenizer: Tokenizer | None, count: int
+) -> list[dict[str, Any]]:
     total = shards.num_documents
     picks = sorted({i * total // count for i in range(count)}) if total and count else []
     rows = []
@@ -87,7 +100,7 @@ def _samples(shards: ShardSet, tokenizer: Tokenizer | None, count: int) -> list[
 
 
 def _split_summary(
-    shards: ShardSet, root: Path, tokenizer: Tokenizer | None, samples: int
+    shards: ShardSet | TokenStream, root: Path, tokenizer: Tokenizer | None, samples: int
 ) -> dict[str, Any]:
     rows = _shard_rows(shards, root)
     return {
@@ -214,9 +227,13 @@ def describe(summary: dict[str, Any]) -> list[str]:
         )
     lines.append(f"  fingerprint  {summary['fingerprint']}")
     for name, split in summary["splits"].items():
-        lines.append(
-            f"  {name:<12} {split['documents']:,} documents, {split['tokens']:,} tokens, "
+        where = (
             f"{len(split['shards'])} shard(s), {split['bytes']:,} bytes"
+            if split["shards"]
+            else "token files read in place"
+        )
+        lines.append(
+            f"  {name:<12} {split['documents']:,} documents, {split['tokens']:,} tokens, {where}"
         )
     if summary.get("mixture"):
         for entry in summary["mixture"]["sources"]:
