@@ -153,3 +153,12 @@ def test_weights_on_token_file_sources_are_refused(tmp_path, monkeypatch):
     plain = _config(tmp_path, [RECALL, NEEDLE])
     monkeypatch.setattr(prepare_module, "_prepare_token_files", lambda config, progress: "read")
     assert prepare_data(plain, progress=False) == "read"
+
+
+def test_replace_weighs_these_sources_or_drops_the_weights_with_new_sources(tmp_path):
+    plain = _config(tmp_path, [RECALL, NEEDLE])
+    mixture = plain.replace(weights=[2, 1])
+    assert mixture.sources == plain.sources and mixture.weights == (2.0, 1.0)
+    assert mixture.replace(weights=None) == plain
+    assert mixture.replace(sources=[RECALL]).weights is None
+    assert mixture.replace(seed=3).weights == (2.0, 1.0)

@@ -277,3 +277,29 @@ def test_overrides_and_weights_without_what_they_apply_to(tmp_path, capsys):
     _one_error(capsys, ["data", "prepare", "--set", "data.seed=1"], "give the recipe")
     _one_error(capsys, ["data", "prepare", "--weight", "1"], "--weight needs --source")
     _one_error(capsys, ["data", "inspect", str(tmp_path / "nothing.yaml")], "nothing.yaml")
+
+
+def test_verify_rehashes_what_the_size_check_passes(tmp_path, capsys):
+    directory = _prepared(tmp_path, capsys)
+    shard = directory / "valid" / "shard-00000.bin"
+    data = bytearray(shard.read_bytes())
+    data[70] ^= 0x01  # a token changed, the size kept
+    shard.write_bytes(bytes(data))
+    assert _run(capsys, ["data", "inspect", str(directory), "--samples", "0"])[0] == 0
+    _one_error(capsys, ["data", "inspect", str(directory), "--verify"], shard, "sha256 mismatch")
+
+
+def test_flags_override_the_recipe_and_weights_apply_to_its_sources(tmp_path):
+    from diffattn.commands.data import PrepareSettings, data_config
+
+    corpus = _corpus(tmp_path)
+    recipe = _recipe(tmp_path, corpus, sources=[str(corpus), "stdlib"])
+    plain = data_config(PrepareSettings(recipe=str(recipe)))
+    assert plain.sources == (str(corpus), "stdlib") and plain.weights is None
+    weighted = data_config(PrepareSettings(recipe=str(recipe), weights=(3.0, 1.0), seed=4))
+    assert weighted.sources == plain.sources and weighted.weights == (3.0, 1.0)
+    assert weighted.replace(weights=None, seed=0) == plain
+    mixed = data_config(
+        PrepareSettings(recipe=str(recipe), overrides=("data.weights=[1,2]",), sources=("a",))
+    )
+    assert mixed.sources == ("a",) and mixed.weights is None  # new sources drop the old weights

@@ -144,17 +144,12 @@ def data_config(settings: PrepareSettings) -> Any:
     }
     if settings.strict:
         changes["strict"] = True
-    if "sources" in changes and "weights" not in changes:
-        changes["weights"] = None  # the recipe's weights belong to the recipe's sources
     if "weights" in changes and "sources" not in changes and settings.recipe is None:
         raise ValueError("--weight needs --source (one weight per source)")
     if settings.recipe is None:
         return DataConfig.from_dict(changes)
-    config = recipe_data_config(settings.recipe, settings.overrides)
-    merged = {**config.to_dict(), **changes}
-    if "weights" in changes and "sources" not in changes:  # new weights for the recipe's sources
-        merged["sources"] = list(config.sources)
-    return DataConfig.from_dict(merged)
+    # --weight alone weighs the recipe's sources; --source alone drops the recipe's weights
+    return recipe_data_config(settings.recipe, settings.overrides).replace(**changes)
 
 
 def _prepare(settings: PrepareSettings) -> int:

@@ -179,6 +179,12 @@ class DataConfig:
         return cls(**dict(data))
 
     def replace(self, **changes: Any) -> DataConfig:
+        """A copy with ``changes``; new ``weights`` alone apply to these sources, new
+        ``sources`` alone drop a mixture's weights."""
+        if "weights" in changes and "sources" not in changes:
+            changes["sources"] = list(self.sources)
+        elif "sources" in changes and "weights" not in changes:
+            changes["weights"] = None
         return DataConfig.from_dict({**self.to_dict(), **changes})
 
 
