@@ -303,3 +303,22 @@ def test_flags_override_the_recipe_and_weights_apply_to_its_sources(tmp_path):
         PrepareSettings(recipe=str(recipe), overrides=("data.weights=[1,2]",), sources=("a",))
     )
     assert mixed.sources == ("a",) and mixed.weights is None  # new sources drop the old weights
+
+
+@pytest.mark.parametrize("verb", ["data prepare", "train"])
+def test_a_bad_weight_in_a_recipe_is_one_line_for_prepare_and_train(tmp_path, capsys, verb):
+    corpus = _corpus(tmp_path)
+    weighted = [{"source": str(corpus), "weight": 1}, {"source": "stdlib", "weight": float("nan")}]
+    recipe = _recipe(tmp_path, corpus, sources=weighted)
+    argv = [*verb.split(), str(recipe)]
+    if verb == "train":
+        argv += ["--out", str(tmp_path / "run")]
+        : 3 if "data" in verb else 4
+    ]
+    code, out, err = _run(capsys, argv)
+    assert code == 2 and out == ""
+    assert err == (
+        f"diffattn {verb.split()[0]}: error: data.sources: mixture weight of source 'stdlib' "
+        "must be a positive finite number, got nan\n"
+    )
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
