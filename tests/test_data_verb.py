@@ -313,8 +313,6 @@ def test_a_bad_weight_in_a_recipe_is_one_line_for_prepare_and_train(tmp_path, ca
     argv = [*verb.split(), str(recipe)]
     if verb == "train":
         argv += ["--out", str(tmp_path / "run")]
-        : 3 if "data" in verb else 4
-    ]
     code, out, err = _run(capsys, argv)
     assert code == 2 and out == ""
     assert err == (
