@@ -7,6 +7,7 @@ token hash; a corrupt file is one error naming it."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import random
@@ -30,6 +31,7 @@ from diffattn.data import prepare_data
 from diffattn.data.external import open_token_files
 
 EOS = 0
+TOKENIZER_OPTIONS = inspect.signature(DocumentTokenizer).parameters
 
 
 # ------------------------------------------------------------------------------------------
@@ -73,13 +75,15 @@ def write_datatrove(
     """``docs`` (as the text ``w3 w17 ...``) through datatrove's ``DocumentTokenizer``, split
     over ``ranks`` tasks (one ``.ds`` file each)."""
     per_rank = -(-len(docs) // ranks)
+    # older datatrove releases call the option shuffle
+    shuffling = "shuffle_documents" if "shuffle_documents" in TOKENIZER_OPTIONS else "shuffle"
     for rank in range(ranks):
         step = DocumentTokenizer(
             str(folder),
             tokenizer_name_or_path=str(tokenizer / "tokenizer.json"),
             eos_token="<|endoftext|>" if eos else None,
-            shuffle_documents=shuffle,
             seed=0,
+            **{shuffling: shuffle},
         )
         part = docs[rank * per_rank : (rank + 1) * per_rank]
         texts = (Document(text=" ".join(f"w{k}" for k in d), id=str(i)) for i, d in enumerate(part))
@@ -158,6 +162,27 @@ def test_datatrove_documents_read_back_as_written(tmp_path, small, big, width, e
     assert [d.tolist() for d in data.train.documents()] == docs
     assert data.train.read(0, data.train.num_tokens).tolist() == stream_of(docs)
     assert data.train.dtype.itemsize == width
+
+
+@pytest.mark.parametrize(
+    "first_line",
+    ["{name}", "Unknown Tokenizer|2|2"],
+    ids=["datatrove-0.2-name-only", "datatrove-0.3-unknown-tokenizer"],
+)
+def test_metadata_of_older_datatrove_releases(tmp_path, small, first_line):
+    """Before 0.3 the first line is the tokenizer name alone (2-byte tokens); 0.3 to 0.5 write
+    ``Unknown Tokenizer|2|2`` when no tokenizer is named."""
+    docs = documents(14, 30, 1000)
+    folder = write_datatrove(tmp_path / "dt", docs, small)
+    meta = folder / "00000_unshuffled.ds.metadata"
+    count = meta.read_text().splitlines()[1]
+    line = first_line.format(name=small / "tokenizer.json")
+    meta.write_text(f"{line}\n{count}\n{count} T")
+    (file,) = open_token_files(f"datatrove:{folder}")
+    assert file.token_bytes == (2 if "|" in line else None) and file.dtype.itemsize == 2
+    assert file.tokenizer == (None if line.startswith("Unknown") else line)
+    data = prepare(f"datatrove:{folder}", small, tmp_path / "cache")
+    assert [d.tolist() for d in data.train.documents()] == docs
 
 
 def test_datatrove_shuffled_documents_are_the_written_ones(tmp_path, small):

@@ -33,7 +33,9 @@ class DatatroveMetadata:
     tokenizer: str | None
     """The ``tokenizer_name_or_path`` datatrove tokenised with; ``None`` when it wrote
     ``Unknown Tokenizer``."""
-    token_bytes: int
+    token_bytes: int | None
+    """2 or 4; ``None`` from datatrove before 0.3, which wrote no width (and only 2-byte
+    tokens)."""
     tokens: int
 
 
@@ -76,14 +78,19 @@ def read_datatrove_metadata(path: Path) -> DatatroveMetadata | None:
     if not meta.is_file():
         return None
     lines = meta.read_text(encoding="utf-8", errors="replace").splitlines()
-    name, _, width = lines[0].rpartition("|") if lines else ("", "", "")
-    if not name or width not in ("2", "4") or len(lines) < 2 or not lines[1].isdigit():
+    if len(lines) < 2 or not lines[0] or not lines[1].isdigit():
         raise ValueError(
             f"{meta}: not a datatrove metadata file (expected 'TOKENIZER|2' or 'TOKENIZER|4' "
             "and a token count on its first two lines)"
         )
-    tokenizer = None if name == "Unknown Tokenizer" else name
-    return DatatroveMetadata(tokenizer=tokenizer, token_bytes=int(width), tokens=int(lines[1]))
+    name, _, width = lines[0].rpartition("|")
+    if width not in ("2", "4"):  # datatrove < 0.3: the name alone
+        name, width = lines[0], ""
+    # "Unknown Tokenizer|2|2" from datatrove 0.3 to 0.5
+    tokenizer = None if name.startswith("Unknown Tokenizer") else name
+    return DatatroveMetadata(
+        tokenizer=tokenizer, token_bytes=int(width) if width else None, tokens=int(lines[1])
+    )
 
 
 def read_datatrove(path: Path) -> tuple[np.dtype, np.ndarray, DatatroveMetadata | None]:
@@ -109,12 +116,12 @@ def read_datatrove(path: Path) -> tuple[np.dtype, np.ndarray, DatatroveMetadata 
         raise ValueError(
             f"{index}: document end {bad} (byte {8 * bad}) lies before the one before it"
         )
-    if metadata is not None:
+    if metadata is not None and metadata.tokens != tokens:
+        raise ValueError(
+            f"{_metadata(path)}: says {metadata.tokens} tokens, {index.name} ends at {tokens}"
+        )
+    if metadata is not None and metadata.token_bytes is not None:
         width = metadata.token_bytes
-        if metadata.tokens != tokens:
-            raise ValueError(
-                f"{_metadata(path)}: says {metadata.tokens} tokens, {index.name} ends at {tokens}"
-            )
     else:
         width = size // tokens if tokens and size // tokens in (2, 4) else 2
     if size != tokens * width:
