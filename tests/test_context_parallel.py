@@ -13,12 +13,15 @@ import torch
 from diffattn import ModelConfig
 from diffattn.attention.context_parallel import ChunkLayout, layout_problem
 from diffattn.attention.types import AttentionType, attention_type, attention_type_names
+from diffattn.checkpoint import load_model
+from diffattn.train import TrainConfig, train
+from diffattn.train.config import ConfigError
 from diffattn.train.context_parallel import model_problem
 from extras import require_extra
 
 pytestmark = [require_extra("train"), pytest.mark.usefixtures("one_thread")]
 
-from train_helpers import REPO, torchrun_target
+from train_helpers import REPO, tiny_recipe, torchrun, torchrun_target, write_recipe
 
 WORKER = str(REPO / "tests" / "cp_worker.py")
 TYPES_BY_HEADS = [f"{t}:{kv}:{docs}" for t in ("baseline", "diff_v1", "diff_v2")
@@ -126,3 +129,73 @@ def test_ranks_equal_one_process_for_every_type_heads_and_documents(nproc, dtype
 def test_checkpointed_blocks_gather_again_in_backward():
     cases = ["diff_v1:gqa:packed", "diff_v2:mha:padded", "gated_diff:gqa:plain"]
     _check(_run(4, "float32", "sdpa+ckpt", cases), 4, "float32")
+
+
+# --- the trainer (recipe key cp) ----------------------------------------------------------
+def _cp_recipe(data_cache, **changes):
+    model = {"attention": "diff_v2", "n_heads": 4, "n_kv_heads": 2}
+    return tiny_recipe(data_cache, steps=4, eval_every=2, model=model, **changes)
+
+
+def test_cp_recipe_key_is_checked_when_the_recipe_is_read(tmp_path):
+    dint = {"attention": "dint", "n_heads": 4, "n_kv_heads": 2}
+    cases = [
+        ({"cp": 0}, "must be an integer >= 1"),
+        ({"cp": 2}, "combines with parallel: ddp or fsdp"),
+        ({"cp": 2, "parallel": "fsdp", "tp": 2}, "not combined with tensor parallelism"),
+        ({"cp": 3, "parallel": "ddp"}, "multiple of 6, got 32"),
+        ({"cp": 2, "parallel": "ddp", "model": dint}, "'dint' cannot split the sequence"),
+        (
+            {"cp": 2, "parallel": "ddp", "document_masking": True, "model": {"backend": "flash"}},
+            "backend 'flash' takes packed documents only without a query offset",
+        ),
+    ]
+    for changes, message in cases:
+        recipe = _cp_recipe(tmp_path)
+        recipe["model"].update(changes.pop("model", {}))
+        with pytest.raises(ConfigError, match=message) as info:
+            TrainConfig.from_dict({**recipe, **changes})
+        assert info.value.key == "cp", str(info.value)
+    TrainConfig.from_dict({**_cp_recipe(tmp_path), "cp": 2, "parallel": "fsdp"})
+
+
+def _records(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _worst_relative(reference: list[dict], got: list[dict]) -> float:
+    """The largest relative difference of the logged loss, validation loss and gradient norm."""
+    assert [r["step"] for r in reference] == [r["step"] for r in got]
+    pairs = zip(reference, got, strict=True)
+    keys = ("loss", "val_loss", "grad_norm")
+    return max(abs(a[k] - b[k]) / abs(a[k]) for a, b in pairs for k in keys if k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("parallel", "nproc"), [("ddp", 2), ("fsdp", 4)])
+def test_cp_training_equals_one_process(tmp_path, data_cache, parallel, nproc):
+    """cp: 2 alone (DDP over the two ranks of one row) and with FSDP2 over 2 data-parallel x
+    2 context-parallel ranks: the losses, gradient norms and validation losses of one process
+    (packed documents), and a checkpoint that loads and runs without context parallelism."""
+    recipe = _cp_recipe(data_cache, document_masking=True)
+    reference = tmp_path / "single"
+    train(TrainConfig.from_dict(recipe), reference, progress=False)
+    changes = {"parallel": parallel, "cp": 2, "micro_batch_size": 2, "checkpoint_format": "full"}
+    path = write_recipe(tmp_path / "cp.yaml", {**recipe, **changes, "checkpoint_every": 4})
+    out = tmp_path / "cp"
+    result = torchrun([str(path), "--out", str(out), "--quiet"], nproc=nproc, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _worst_relative(_records(reference), _records(out)) <= 1e-5
+    model = load_model(out / "checkpoints" / "step-00000004")
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(model(ids).logits).all()
+
+
+@pytest.mark.slow
+def test_cp_that_does_not_divide_the_launch_stops_with_one_line(tmp_path, data_cache):
+    recipe = {**_cp_recipe(data_cache), "parallel": "ddp", "cp": 2, "global_batch_size": 6}
+    path = write_recipe(tmp_path / "cp.yaml", {**recipe, "micro_batch_size": 2})
+    result = torchrun([str(path), "--out", str(tmp_path / "out"), "--quiet"], nproc=3)
+    assert result.returncode != 0
+    assert "cp: 2 does not divide the 3 processes of the launch" in result.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

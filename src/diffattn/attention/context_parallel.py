@@ -117,6 +117,11 @@ class ChunkLayout:
         return t.index_select(dim, self.positions(t.device))
 
 
+# torch 2.13 names them ``*_single`` and deprecates the older names
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather along dim 0 (the ranks' slices stacked); backward sums the gradient over the
     ranks and keeps this rank's slice (reduce-scatter where the backend has it, else an
@@ -128,7 +133,7 @@ class _GatherSequence(torch.autograd.Function):
         world = dist.get_world_size(group)
         t = t.contiguous()
         out = t.new_empty((world * t.shape[0], *t.shape[1:]))
-        dist.all_gather_into_tensor(out, t, group=group)
+        _ALL_GATHER(out, t, group=group)
         return out
 
     @staticmethod
@@ -139,7 +144,7 @@ class _GatherSequence(torch.autograd.Function):
         size = grad.shape[0] // world
         if dist.get_backend(group) in ("nccl", "xccl"):
             mine = grad.new_empty((size, *grad.shape[1:]))
-            dist.reduce_scatter_tensor(mine, grad, group=group)
+            _REDUCE_SCATTER(mine, grad, group=group)
             return mine, None
         summed = grad.clone()
         dist.all_reduce(summed, group=group)

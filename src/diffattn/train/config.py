@@ -200,6 +200,12 @@ class TrainConfig:
     ranks (``diffattn.train.tensor_parallel``). With ``parallel: none`` the launch has exactly
     ``tp`` processes; with ``parallel: fsdp`` the world forms a 2-D mesh
     ``(world / tp, tp)``, FSDP2 sharding over the first dimension."""
+    cp: int = 1
+    """Context-parallel degree: each row's sequence is split over this many consecutive ranks,
+    which hold the same rows (:mod:`diffattn.train.context_parallel`: chunks i and 2·cp − 1 − i
+    of 2·cp per rank, keys and values all-gathered in every layer). With ``parallel: ddp`` or
+    ``fsdp``, which then reduce gradients over the data-parallel and context-parallel ranks
+    together; ``seq_len`` a multiple of 2·cp; every layer's attention type able to split."""
     fsdp_init: FsdpInit = "rank0"
     """FSDP2 initial weights: ``rank0`` builds the full model once on rank 0's CPU and
     broadcasts it, giving exactly the weights of a single-process run with the same seed;
@@ -360,6 +366,7 @@ class TrainConfig:
         if self.parallel != "fsdp" and self.fsdp_init != "rank0":
             raise ConfigError("fsdp_init", "only applies to parallel: fsdp")
         self._validate_tp()
+        self._validate_cp()
         if self.init_from is not None and not self.init_from.strip():
             raise ConfigError("init_from", "must be a model directory or null, got ''")
         model = self.model_config()
@@ -383,6 +390,15 @@ class TrainConfig:
         problem = tp_problem(self.model_config(), self.tp)
         if problem is not None:
             raise ConfigError("tp", problem)
+
+    def _validate_cp(self) -> None:
+        from diffattn.train.context_parallel import recipe_problem
+
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
+            raise ConfigError("cp", f"must be an integer >= 1, got {self.cp!r}")
+        problem = recipe_problem(self, self.model_config())
+        if problem is not None:
+            raise ConfigError("cp", problem)
 
     def _validate_optim(self) -> None:
         o = self.optim

@@ -54,7 +54,7 @@ class ContextParallelOutput:
     Attributes:
         logits: this rank's logits ``(B, 2c, vocab)``, its chunks in local order.
         loss: the mean next-token loss over every target of the whole rows (value), with this
-            rank's share as gradient; ``None`` without labels.
+            rank's share as gradient; ``None`` without labels or without a target.
         target_count: the targets of the whole rows (the loss's denominator).
         split: the :class:`SequenceSplit` the forward ran under: install it again
             (:func:`~diffattn.attention.context_parallel.context_parallel`) around
@@ -82,6 +82,32 @@ def model_problem(config, degree: int) -> str | None:
         why = context_parallel_problem(declaration)
         if why is not None:
             return f"attention type {declaration.name!r} cannot split the sequence: {why}"
+    return None
+
+
+def recipe_problem(recipe, config) -> str | None:
+    """Why a training recipe (a :class:`~diffattn.train.config.TrainConfig`: ``cp``,
+    ``parallel``, ``tp``, ``seq_len``, ``document_masking``) cannot split its rows over ``cp``
+    ranks with a model of ``config``, or ``None``."""
+    cp = recipe.cp
+    if cp == 1:
+        return None
+    if recipe.parallel not in ("ddp", "fsdp"):
+        return (
+            f"{cp} combines with parallel: ddp or fsdp (the ranks of a context-parallel group "
+            f"hold the same rows, and their gradients are reduced together), not with "
+            f"{recipe.parallel}"
+        )
+    if recipe.tp > 1:
+        return f"{cp} is not combined with tensor parallelism (tp: {recipe.tp}); set one to 1"
+    why = layout_problem(recipe.seq_len, cp) or model_problem(config, cp)
+    if why is not None:
+        return why
+    if config.backend == "flash" and recipe.document_masking:
+        return (
+            "backend 'flash' takes packed documents only without a query offset, which every "
+            "chunk after a row's first has under context parallelism; use backend auto or sdpa"
+        )
     return None
 
 
@@ -137,12 +163,13 @@ def context_parallel_forward(
         raise ValueError(
             f"labels {tuple(labels.shape)} are not shaped as input_ids {(*input_ids.shape,)}"
         )
-    why = layout_problem(n, degree) or model_problem(model.config, degree)
+    config = getattr(model, "module", model).config  # under DDP, the wrapped model's
+    why = layout_problem(n, degree) or model_problem(config, degree)
     if why is not None:
         raise ValueError(why)
-    if n > model.config.max_seq_len:
+    if n > config.max_seq_len:
         raise ValueError(
-            f"sequence length {n} exceeds max_seq_len={model.config.max_seq_len} of this model"
+            f"sequence length {n} exceeds max_seq_len={config.max_seq_len} of this model"
         )
     layout = ChunkLayout(n, degree, rank)
     positions, runs, padding, targets = _whole_row_inputs(
@@ -161,8 +188,8 @@ def context_parallel_forward(
     if targets is None:
         return ContextParallelOutput(logits, None, 0, split)
     count = int((targets != IGNORE_INDEX).sum())
-    if count == 0:
-        raise ValueError("no loss target: every label of the rows is ignored (-100)")
+    if count == 0:  # every label ignored: no loss (the trainer runs backward through logits)
+        return ContextParallelOutput(logits, None, 0, split)
     local = (
         F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).to(_loss_dtype(logits)),
@@ -192,3 +219,29 @@ def reduce_context_parallel_gradients(model, group) -> None:
     for parameter in model.parameters():
         if parameter.grad is not None:
             dist.all_reduce(parameter.grad, group=group)
+
+
+# --------------------------------------------------------------------------------------------
+# the trainer's part
+def context_parallel_group(degree: int, world: int, rank: int):
+    """The CP group of ``rank``: ranks ``[g·degree, (g + 1)·degree)`` form group g (consecutive
+    ranks, the fastest links). Collective: every rank creates every group, in order."""
+    mine = None
+    for first in range(0, world, degree):
+        group = dist.new_group(list(range(first, first + degree)))
+        if first <= rank < first + degree:
+            mine = group
+    return mine
+
+
+def context_parallel_backward(loss: torch.Tensor, output: ContextParallelOutput, degree: int):
+    """``loss.backward()`` for a model wrapped by DDP or FSDP2 over every rank (data- and
+    context-parallel ones together), inside the forward's split (recomputed layers gather).
+
+    Those wrappers average the ranks' gradients; a CP rank's gradient is only its tokens'
+    share of its rows' gradient (module docstring), so the average over a group's ``degree``
+    ranks is ``1/degree`` of that gradient: the backward runs on ``degree·loss`` (same value
+    reported, gradient scaled by ``degree``)."""
+    scaled = loss * degree - loss.detach() * (degree - 1)
+    with context_parallel(output.split):
+        scaled.backward()

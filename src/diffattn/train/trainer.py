@@ -58,7 +58,13 @@ from torch import nn
 from diffattn.train import distributed
 from diffattn.train.building import TrainerBuilding
 from diffattn.train.config import (
+    ConfigError,
     TrainConfig,
+)
+from diffattn.train.context_parallel import (
+    context_parallel_backward,
+    context_parallel_forward,
+    context_parallel_group,
 )
 from diffattn.train.evaluation import Evaluation, evaluate, inputs_on, model_inputs
 from diffattn.train.factory import NoProbe
@@ -244,6 +250,23 @@ class Trainer(TrainerBuilding, CheckpointSaving):
         self._t_start = time.perf_counter()
         return self
 
+    def _launch(self) -> None:
+        """:meth:`TrainerBuilding._launch`, then the context-parallel groups of ``cp``
+        consecutive ranks, which read the same rows (one data-parallel rank each)."""
+        super()._launch()
+        self.cp_group = None
+        cp = self.config.cp
+        if cp == 1:
+            return
+        if self.world % cp:
+            raise ConfigError(
+                "cp", f"{cp} does not divide the {self.world} processes of the launch"
+            )
+        if self.model_factory is not None:
+            raise ConfigError("cp", "applies to preset models, not to a model_factory")
+        self.dp_world, self.dp_rank = self.world // cp, self.env.rank // cp
+        self.cp_group = context_parallel_group(cp, self.world, self.env.rank)
+
     def _say(self, message: str) -> None:
         if self.progress and self.main:
             print(message, file=sys.stderr, flush=True)
@@ -273,9 +296,17 @@ class Trainer(TrainerBuilding, CheckpointSaving):
             chunk, chunk_inputs = inputs_on(device, chunk, inputs[index], count)
             with gradient_sync(self.parallel_model, config.parallel, sync=last):
                 with autocast(device, config.dtype), self.probe.capture():
-                    output = self.parallel_model(chunk, **chunk_inputs)
+                    if self.cp_group is None:
+                        output = self.parallel_model(chunk, **chunk_inputs)
+                    else:  # this rank's chunks of the rows (context parallelism)
+                        output = context_parallel_forward(
+                            self.parallel_model, chunk, self.cp_group, **chunk_inputs
+                        )
                 loss = weighted_loss(output, count, share)
-                loss.backward()
+                if self.cp_group is None:
+                    loss.backward()
+                else:
+                    context_parallel_backward(loss, output, config.cp)
             loss_sum += loss.detach().float()
         return loss_sum, total
 
