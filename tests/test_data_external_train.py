@@ -129,3 +129,27 @@ def test_a_corrupt_token_file_stops_train_with_one_line(tmp_path, tokenizer, cap
     assert cli.main(["train", str(recipe), "--out", str(tmp_path / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{index}: missing" in err[0], err
+
+
+def test_a_run_resumes_on_token_files_prepared_again(tmp_path, tokenizer):
+    """A new modification time prepares the files again (a new cache entry) with the same
+    stream fingerprint, so the loader's checkpointed position is accepted; the resumed run
+    continues with the losses of an uninterrupted one."""
+    import os
+
+    from diffattn.train import read_metrics
+
+    prefix = write_megatron(tmp_path / "m", documents(23, 400, VOCAB), np.uint16)
+    recipe = _recipe(tmp_path, f"megatron:{prefix}", tokenizer)
+    whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
+    assert cli.main(["train", str(recipe), "--out", whole, "--steps", "4", "--quiet"]) == 0
+    every = ["--set", "checkpoint_every=2", "--quiet"]
+    assert cli.main(["train", str(recipe), "--out", parts, "--steps", "2", *every]) == 0
+    bin_path = Path(f"{prefix}.bin")
+    stat = bin_path.stat()
+    os.utime(bin_path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    resumed = ["--steps", "4", "--resume", *every]
+    assert cli.main(["train", str(recipe), "--out", parts, *resumed]) == 0
+    assert len(list((tmp_path / "cache" / "shards").iterdir())) == 2
+    losses = {r["step"]: r["loss"] for r in read_metrics(parts) if "loss" in r}
+    assert losses == {r["step"]: r["loss"] for r in read_metrics(whole) if "loss" in r}
