@@ -44,6 +44,8 @@ MODULE_EXTRAS = {
     "gguf": "gguf",
     "accelerate": "gguf",
     "tensorboard": "tensorboard",
+    "megatron": "formats",
+    "datatrove": "formats",
     "wandb": "wandb",
     "peft": "peft",
     "scipy": "eval",
