@@ -199,3 +199,39 @@ def test_cp_that_does_not_divide_the_launch_stops_with_one_line(tmp_path, data_c
     assert result.returncode != 0
     assert "cp: 2 does not divide the 3 processes of the launch" in result.stderr
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def _launch(tmp_path, recipe: dict, nproc: int, out, *args: str) -> None:
+    """``diffattn train`` of ``recipe`` on ``nproc`` processes (torchrun), or in this one."""
+    if nproc == 1:
+        steps = {"steps": int(args[1])} if args[:1] == ("--steps",) else {}
+        resume = "--resume" in args
+        train(TrainConfig.from_dict({**recipe, **steps}), out, resume=resume, progress=False)
+        return
+    path = write_recipe(tmp_path / f"cp-{nproc}.yaml", recipe)
+    result = torchrun([str(path), "--out", str(out), *args, "--quiet"], nproc=nproc, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        (("ddp", 2, 2), ("none", 1, 1)),  # cp 2 (full checkpoint) -> one process
+        (("fsdp", 2, 4), ("fsdp", 1, 2)),  # FSDP2 x cp 2 (sharded) -> FSDP2 alone
+    ],
+)
+def test_a_run_resumes_under_another_cp_degree_and_continues_exactly(
+    tmp_path, data_cache, first, then
+):
+    """2 steps under ``first`` (parallel, cp, processes), steps 3-4 resumed under ``then``: the
+    losses and gradient norms of an uninterrupted one-process run."""
+    recipe = {**_cp_recipe(data_cache, document_masking=True, checkpoint_every=2), "eval_every": 0}
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(TrainConfig.from_dict(recipe), whole, progress=False)
+    for (parallel, cp, nproc), args in ((first, ("--steps", "2")), (then, ("--resume",))):
+        changes = {"parallel": parallel, "cp": cp, "micro_batch_size": 2}
+        _launch(tmp_path, {**recipe, **changes}, nproc, split, *args)
+    resumed = _records(split)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert _worst_relative(_records(whole), resumed) <= 1e-5
