@@ -172,15 +172,19 @@ def _worst_relative(reference: list[dict], got: list[dict]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("parallel", "nproc"), [("ddp", 2), ("fsdp", 4)])
-def test_cp_training_equals_one_process(tmp_path, data_cache, parallel, nproc):
+@pytest.mark.parametrize(
+    ("parallel", "nproc", "checkpointing"), [("ddp", 2, "full"), ("fsdp", 4, "selective")]
+)
+def test_cp_training_equals_one_process(tmp_path, data_cache, parallel, nproc, checkpointing):
     """cp: 2 alone (DDP over the two ranks of one row) and with FSDP2 over 2 data-parallel x
-    2 context-parallel ranks: the losses, gradient norms and validation losses of one process
-    (packed documents), and a checkpoint that loads and runs without context parallelism."""
+    2 context-parallel ranks, blocks checkpointed (recomputed with their K/V gather in
+    backward): the losses, gradient norms and validation losses of one process (packed
+    documents), and a checkpoint that loads and runs without context parallelism."""
     recipe = _cp_recipe(data_cache, document_masking=True)
     reference = tmp_path / "single"
     train(TrainConfig.from_dict(recipe), reference, progress=False)
     changes = {"parallel": parallel, "cp": 2, "micro_batch_size": 2, "checkpoint_format": "full"}
+    changes["activation_checkpointing"] = checkpointing
     path = write_recipe(tmp_path / "cp.yaml", {**recipe, **changes, "checkpoint_every": 4})
     out = tmp_path / "cp"
     result = torchrun([str(path), "--out", str(out), "--quiet"], nproc=nproc, timeout=600)
