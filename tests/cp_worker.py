@@ -203,7 +203,7 @@ def compare(case: str, dtype: torch.dtype, backend: str, checkpointing: bool) ->
 
 
 def refusals() -> list[dict]:
-    """The one-line errors: a length that does not cut into 2·C chunks, and DINT."""
+    """The one-line errors: a length that does not cut into 2·C chunks, DINT, a 4-D mask."""
     rows = []
     model = build("baseline", "gqa", torch.float32, "reference")
     ids = torch.zeros(1, 2 * dist.get_world_size() + 2, dtype=torch.long)
@@ -215,6 +215,15 @@ def refusals() -> list[dict]:
                 build("dint", "gqa", torch.float32, "reference"),
                 torch.zeros(1, SEQ_LEN, dtype=torch.long),
                 dist.group.WORLD,
+            ),
+        ),
+        (
+            "mask",
+            lambda: context_parallel_forward(
+                model,
+                torch.zeros(1, SEQ_LEN, dtype=torch.long),
+                dist.group.WORLD,
+                attention_mask=torch.ones(1, 1, SEQ_LEN, SEQ_LEN),
             ),
         ),
     ):

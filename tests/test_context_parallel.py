@@ -33,7 +33,7 @@ def _run(nproc: int, dtype: str, backend: str, cases: list[str]) -> list[dict]:
     result = torchrun_target([WORKER, dtype, backend, ",".join(cases)], nproc, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == len(cases) + (1 if "refusals" in cases else 0), result.stdout
+    assert len(rows) == len(cases) + (2 if "refusals" in cases else 0), result.stdout
     return rows
 
 
@@ -113,6 +113,7 @@ def test_two_ranks_equal_one_process_in_float64_and_refuse_bad_input():
     refusals = {row["refusal"]: row["error"] for row in rows if "refusal" in row}
     assert "multiple of 4, got 6" in refusals["length"]
     assert "'dint' cannot split the sequence" in refusals["dint"]
+    assert "takes a 2-D attention_mask shaped as input_ids" in refusals["mask"]
 
 
 @pytest.mark.slow

@@ -19,8 +19,10 @@ its own targets and divides by the global target count. The returned ``loss`` ha
 mean as its value (one all-reduce of a scalar) and, as its gradient, this rank's share only, so
 ``loss.backward()`` leaves each rank the part of every parameter's gradient that flows through
 its tokens (the K/V gather's backward already returns each rank dK/dV from every rank's queries);
-the sum of those parts over the CP ranks is the one-process gradient. The trainer's gradient
-reduction sums them (:func:`reduce_context_parallel_gradients`).
+the sum of those parts over the CP ranks is the one-process gradient. A bare model sums them
+with :func:`reduce_context_parallel_gradients`; under DDP or FSDP2 over every rank (the
+trainer, ``cp: N``), which average gradients, :func:`context_parallel_backward` scales each
+rank's part by the CP degree, so that their average over a CP group is that sum.
 """
 
 from __future__ import annotations
@@ -159,6 +161,11 @@ def context_parallel_forward(
     """
     degree, rank = dist.get_world_size(group), dist.get_rank(group)
     n = input_ids.shape[1]
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"context parallelism takes a 2-D attention_mask shaped as input_ids "
+            f"{(*input_ids.shape,)} (1 = real token), got {(*attention_mask.shape,)}"
+        )
     if labels is not None and labels.shape != input_ids.shape:
         raise ValueError(
             f"labels {tuple(labels.shape)} are not shaped as input_ids {(*input_ids.shape,)}"
