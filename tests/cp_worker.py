@@ -7,9 +7,10 @@ the gradients over the ranks and compares: the loss, the logits gathered back, a
 parameter's gradient, as relative errors (largest |difference| over the reference's largest
 |value|, per tensor). Prints one JSON line per case on rank 0.
 
-Usage: ``cp_worker.py DTYPE BACKEND[+ckpt] CASES`` with CASES a comma-separated list of
+Usage: ``cp_worker.py DTYPE BACKEND[+ckpt|+compile] CASES`` with CASES a comma-separated list of
 ``TYPE:KV:DOCS`` (``KV`` = ``gqa`` or ``mha``; ``DOCS`` = ``packed``, ``plain`` or ``padded``)
-and ``refusals`` (the one-line errors); ``+ckpt`` checkpoints every block's activations.
+and ``refusals`` (the one-line errors); ``+ckpt`` checkpoints every block's activations,
+``+compile`` compiles every block (``compile_blocks``, inductor).
 """
 
 from __future__ import annotations
@@ -118,12 +119,14 @@ def one_process(case: str, dtype: torch.dtype, backend: str, inputs: dict):
     return loss.detach(), out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def split_run(case: str, dtype: torch.dtype, backend: str, checkpointing: bool, inputs: dict):
+def split_run(case: str, dtype: torch.dtype, backend: str, variant: str, inputs: dict):
     """This rank's chunks under context parallelism, gradients summed over the ranks, logits
     gathered: ``(loss, logits, {parameter: gradient or None})``."""
     attention, kv, _ = case.split(":")
     model = build(attention, kv, dtype, backend)
-    model.gradient_checkpointing = checkpointing
+    model.gradient_checkpointing = variant == "ckpt"
+    if variant == "compile":
+        model.compile_blocks()  # inductor, as the trainer's compile: true
     model.train()
     out = context_parallel_forward(
         model,
@@ -183,18 +186,18 @@ def grad_verdict(split: dict, one: dict, truth: dict, dtype: torch.dtype) -> dic
     }
 
 
-def compare(case: str, dtype: torch.dtype, backend: str, checkpointing: bool) -> dict:
+def compare(case: str, dtype: torch.dtype, backend: str, variant: str) -> dict:
     inputs = batch(case.split(":")[2])
     ref_loss, ref_logits, ref_grads = one_process(case, dtype, backend, inputs)
     truth = ref_grads
     if dtype != torch.float64:
         truth = one_process(case, torch.float64, "sdpa", inputs)[2]
-    loss, logits, grads = split_run(case, dtype, backend, checkpointing, inputs)
+    loss, logits, grads = split_run(case, dtype, backend, variant, inputs)
     return {
         "case": case,
         "dtype": str(dtype).removeprefix("torch."),
         "backend": backend,
-        "checkpointing": checkpointing,
+        "variant": variant,
         "world": dist.get_world_size(),
         "loss_diff": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
         "logit_diff": relative(logits, ref_logits),
@@ -239,14 +242,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     dtype = {"float32": torch.float32, "float64": torch.float64}[sys.argv[1]]
-    checkpointing = sys.argv[2].endswith("+ckpt")
-    backend = sys.argv[2].removesuffix("+ckpt")
+    backend, _, variant = sys.argv[2].partition("+")
     rows = []
     for case in sys.argv[3].split(","):
         if case == "refusals":
             rows.extend(refusals())
         else:
-            rows.append(compare(case, dtype, backend, checkpointing))
+            rows.append(compare(case, dtype, backend, variant))
     if dist.get_rank() == 0:
         for row in rows:
             print(json.dumps(row), flush=True)

@@ -240,3 +240,10 @@ def test_a_run_resumes_under_another_cp_degree_and_continues_exactly(
     resumed = _records(split)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert _worst_relative(_records(whole), resumed) <= 1e-5
+
+
+@pytest.mark.slow
+def test_compiled_blocks_split_exactly():
+    """``compile_blocks`` (inductor, the trainer's ``compile: true``) under context
+    parallelism: loss, logits and gradients of one process."""
+    _check(_run(2, "float32", "sdpa+compile", ["diff_v2:gqa:packed"]), 2, "float32")
