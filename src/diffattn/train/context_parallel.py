@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from diffattn.attention.context_parallel import (
     ChunkLayout,
@@ -239,6 +240,26 @@ def context_parallel_group(degree: int, world: int, rank: int):
         if first <= rank < first + degree:
             mine = group
     return mine
+
+
+class SplitRows(nn.Module):
+    """``model`` run split over ``group`` where it is called on whole rows: what validation
+    calls (``evaluate``), which reads ``.loss``, the mean over the rows' targets. The logits
+    are this rank's chunks only, so per-token losses (``return_token_losses``) are refused."""
+
+    def __init__(self, model: nn.Module, group, return_token_losses: bool = False) -> None:
+        super().__init__()
+        if return_token_losses:
+            raise ValueError(
+                "per-token validation losses are not returned under context parallelism (each "
+                "rank holds the logits of its own chunks); evaluate without cp"
+            )
+        self.model, self.group = model, group
+
+    def forward(self, input_ids, labels=None, document_ids=None) -> ContextParallelOutput:
+        return context_parallel_forward(
+            self.model, input_ids, self.group, labels=labels, document_ids=document_ids
+        )
 
 
 def context_parallel_backward(loss: torch.Tensor, output: ContextParallelOutput, degree: int):

@@ -62,6 +62,7 @@ from diffattn.train.config import (
     TrainConfig,
 )
 from diffattn.train.context_parallel import (
+    SplitRows,
     context_parallel_backward,
     context_parallel_forward,
     context_parallel_group,
@@ -220,6 +221,7 @@ class Trainer(TrainerBuilding, CheckpointSaving):
         self.last_saved_step = -1
         self.logger: MetricsLogger | None = None
         self.probe: Any = NoProbe()
+        self.cp_group = None  # the context-parallel group of this rank (cp > 1: _launch)
         self._signals = _SignalCatcher()
         self._bar: Progress | None = None
         self._window: list[float] = []
@@ -416,8 +418,11 @@ class Trainer(TrainerBuilding, CheckpointSaving):
         next-token losses (see :func:`evaluate`). Collective under DDP/FSDP2.
         """
         batches = self.eval_list if self.eval_list is not None else self._build_eval_batches()
+        model = self.model
+        if self.cp_group is not None:  # validation rows split as training's are
+            model = SplitRows(self.model, self.cp_group, return_token_losses)
         return evaluate(
-            self.model,
+            model,
             batches,
             self.micro,
             self.device,
