@@ -143,7 +143,6 @@ def test_cp_recipe_key_is_checked_when_the_recipe_is_read(tmp_path):
     cases = [
         ({"cp": 0}, "must be an integer >= 1"),
         ({"cp": 2}, "combines with parallel: ddp or fsdp"),
-        ({"cp": 2, "parallel": "fsdp", "tp": 2}, "not combined with tensor parallelism"),
         ({"cp": 3, "parallel": "ddp"}, "multiple of 6, got 32"),
         ({"cp": 2, "parallel": "ddp", "model": dint}, "'dint' cannot split the sequence"),
         (
@@ -158,6 +157,7 @@ def test_cp_recipe_key_is_checked_when_the_recipe_is_read(tmp_path):
             TrainConfig.from_dict({**recipe, **changes})
         assert info.value.key == "cp", str(info.value)
     TrainConfig.from_dict({**_cp_recipe(tmp_path), "cp": 2, "parallel": "fsdp"})
+    TrainConfig.from_dict({**_cp_recipe(tmp_path), "cp": 2, "parallel": "fsdp", "tp": 2})
 
 
 def _records(out):
@@ -174,18 +174,20 @@ def _worst_relative(reference: list[dict], got: list[dict]) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("parallel", "nproc", "checkpointing"), [("ddp", 2, "full"), ("fsdp", 4, "selective")]
+    ("parallel", "nproc", "checkpointing", "tp"),
+    [("ddp", 2, "full", 1), ("fsdp", 4, "selective", 1), ("fsdp", 4, "none", 2)],
 )
-def test_cp_training_equals_one_process(tmp_path, data_cache, parallel, nproc, checkpointing):
-    """cp: 2 alone (DDP over the two ranks of one row) and with FSDP2 over 2 data-parallel x
+def test_cp_training_equals_one_process(tmp_path, data_cache, parallel, nproc, checkpointing, tp):
+    """cp: 2 alone (DDP over the two ranks of one row), with FSDP2 over 2 data-parallel x
     2 context-parallel ranks, blocks checkpointed (recomputed with their K/V gather in
-    backward): the losses, gradient norms and validation losses of one process (packed
-    documents), and a checkpoint that loads and runs without context parallelism."""
+    backward), and with tp: 2 (FSDP2 over the 2 cp ranks of each tp rank): the losses,
+    gradient norms and validation losses of one process (packed documents), and a checkpoint
+    that loads and runs without context parallelism."""
     recipe = _cp_recipe(data_cache, document_masking=True)
     reference = tmp_path / "single"
     train(TrainConfig.from_dict(recipe), reference, progress=False)
     changes = {"parallel": parallel, "cp": 2, "micro_batch_size": 2, "checkpoint_format": "full"}
-    changes["activation_checkpointing"] = checkpointing
+    changes.update(activation_checkpointing=checkpointing, tp=tp)
     path = write_recipe(tmp_path / "cp.yaml", {**recipe, **changes, "checkpoint_every": 4})
     out = tmp_path / "cp"
     result = torchrun([str(path), "--out", str(out), "--quiet"], nproc=nproc, timeout=600)

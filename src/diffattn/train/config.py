@@ -205,7 +205,8 @@ class TrainConfig:
     which hold the same rows (:mod:`diffattn.train.context_parallel`: chunks i and 2·cp − 1 − i
     of 2·cp per rank, keys and values all-gathered in every layer). With ``parallel: ddp`` or
     ``fsdp``, which then reduce gradients over the data-parallel and context-parallel ranks
-    together; ``seq_len`` a multiple of 2·cp; every layer's attention type able to split."""
+    together; ``seq_len`` a multiple of 2·cp; every layer's attention type able to split. With
+    ``tp`` (FSDP2) a context-parallel group is the ranks of one tensor-parallel index."""
     fsdp_init: FsdpInit = "rank0"
     """FSDP2 initial weights: ``rank0`` builds the full model once on rank 0's CPU and
     broadcasts it, giving exactly the weights of a single-process run with the same seed;

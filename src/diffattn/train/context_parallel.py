@@ -90,8 +90,8 @@ def model_problem(config, degree: int) -> str | None:
 
 def recipe_problem(recipe, config) -> str | None:
     """Why a training recipe (a :class:`~diffattn.train.config.TrainConfig`: ``cp``,
-    ``parallel``, ``tp``, ``seq_len``, ``document_masking``) cannot split its rows over ``cp``
-    ranks with a model of ``config``, or ``None``."""
+    ``parallel``, ``seq_len``, ``document_masking``) cannot split its rows over ``cp`` ranks
+    with a model of ``config``, or ``None`` (``tp`` combines: its own check asks for ``fsdp``)."""
     cp = recipe.cp
     if cp == 1:
         return None
@@ -101,8 +101,6 @@ def recipe_problem(recipe, config) -> str | None:
             f"hold the same rows, and their gradients are reduced together), not with "
             f"{recipe.parallel}"
         )
-    if recipe.tp > 1:
-        return f"{cp} is not combined with tensor parallelism (tp: {recipe.tp}); set one to 1"
     why = layout_problem(recipe.seq_len, cp) or model_problem(config, cp)
     if why is not None:
         return why
@@ -231,14 +229,19 @@ def reduce_context_parallel_gradients(model, group) -> None:
 
 # --------------------------------------------------------------------------------------------
 # the trainer's part
-def context_parallel_group(degree: int, world: int, rank: int):
-    """The CP group of ``rank``: ranks ``[g·degree, (g + 1)·degree)`` form group g (consecutive
-    ranks, the fastest links). Collective: every rank creates every group, in order."""
+def context_parallel_group(degree: int, world: int, rank: int, stride: int = 1):
+    """The CP group of ``rank``. Ranks are laid out ``(data-parallel, cp, tp)``, tp fastest
+    (a tensor-parallel group is ``stride`` consecutive ranks, as
+    :func:`~diffattn.train.tensor_parallel.device_meshes` makes them): the group holds the
+    ranks of one data-parallel index and one tp index, ``stride`` apart (consecutive without
+    tp). Collective: every rank creates every group, in the same order."""
     mine = None
-    for first in range(0, world, degree):
-        group = dist.new_group(list(range(first, first + degree)))
-        if first <= rank < first + degree:
-            mine = group
+    for first in range(0, world, degree * stride):
+        for offset in range(stride):
+            ranks = [first + offset + c * stride for c in range(degree)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
     return mine
 
 
