@@ -235,6 +235,22 @@ def test_runtime_checks_name_the_key(tmp_path):
     check_runtime(base.replace(parallel="fsdp", micro_batch_size=2), two, cuda_available=False)
 
 
+def test_the_batch_is_split_over_data_parallel_ranks_only_under_context_parallelism():
+    """Context-parallel ranks read the same rows (as a tensor-parallel group does), so the batch
+    needs to divide by world / (tp · cp), the trainer's data-parallel ranks, not by the world."""
+    base = TrainConfig(steps=2, global_batch_size=4, micro_batch_size=None, seq_len=16)
+    eight = DistEnv(rank=0, world_size=8, local_rank=0, local_world_size=8, launched=True)
+    six = DistEnv(rank=0, world_size=6, local_rank=0, local_world_size=6, launched=True)
+    check_runtime(base.replace(parallel="ddp", cp=8), eight, cuda_available=False)
+    check_runtime(base.replace(parallel="fsdp", cp=2, tp=2), eight, cuda_available=False)
+    with pytest.raises(ConfigError) as info:  # 8 data-parallel ranks for 4 rows
+        check_runtime(base.replace(parallel="ddp"), eight, cuda_available=False)
+    assert info.value.key == "global_batch_size"
+    with pytest.raises(ConfigError) as info:
+        check_runtime(base.replace(parallel="ddp", cp=4), six, cuda_available=False)
+    assert info.value.key == "cp" and "4 does not divide the 6 processes" in str(info.value)
+
+
 def test_read_env_is_the_one_place_for_torchrun_variables():
     assert read_env({}) == DistEnv()
     env = read_env(

@@ -43,7 +43,14 @@ def check_runtime(config: Any, env: Any, cuda_available: bool | None = None) -> 
             + (f" and tp is {config.tp}" if config.tp > 1 else "")
             + "; set parallel: ddp or fsdp",
         )
-    world = env.world_size // config.tp  # data-parallel ranks: a tensor-parallel group is one
+    group = config.tp * config.cp  # the ranks that read the same rows: one data-parallel rank
+    if env.world_size % group:  # the message of the trainer's own check (Trainer._launch)
+        within = f" × tp {config.tp}" if config.tp > 1 else ""
+        raise ConfigError(
+            "cp",
+            f"{config.cp}{within} does not divide the {env.world_size} processes of the launch",
+        )
+    world = env.world_size // group  # data-parallel ranks
     micro = config.micro_batch_size
     if config.global_batch_size % world:
         raise ConfigError(
