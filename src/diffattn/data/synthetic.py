@@ -318,23 +318,21 @@ class RetrievalTask:
 
     def token(self, kind: str, index: int) -> int:
         """The id of the ``index``-th token of ``kind`` (filler, prefix, suffix, value)."""
-        start = 2
-        for name, size in (
-            ("filler", self.filler),
-            ("prefix", self.prefixes),
-            ("suffix", self.suffixes),
-            ("value", self.values),
-        ):
-            if name == kind:
-                if not 0 <= index < size:
-                    raise ValueError(f"{kind} index {index} out of range 0..{size - 1}")
-                return start + index
-            start += size
-        raise ValueError(f"unknown token kind {kind!r}")
+        sizes = {
+            "filler": self.filler,
+            "prefix": self.prefixes,
+            "suffix": self.suffixes,
+            "value": self.values,
+        }
+        if kind not in sizes:
+            raise ValueError(f"unknown token kind {kind!r}")
+        if not 0 <= index < sizes[kind]:
+            raise ValueError(f"{kind} index {index} out of range 0..{sizes[kind] - 1}")
+        return dict(zip(sizes, self.offsets(), strict=True))[kind] + index
 
     def offsets(self) -> tuple[int, int, int, int]:
-        """The first id of the filler, prefix, suffix and value ranges (:meth:`token`'s
-        ``start``), for code that builds many tokens."""
+        """The first id of the filler, prefix, suffix and value ranges: the ids :meth:`token`
+        adds its index to, for code that builds many tokens."""
         filler = 2
         prefix = filler + self.filler
         suffix = prefix + self.prefixes
