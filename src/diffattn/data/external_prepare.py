@@ -60,9 +60,9 @@ TEXT_SETTINGS = (
     "bpe_train_bytes",
     "shard_tokens",
     "strict",
-    "weights",
 )
-"""``DataConfig`` fields that shape how text becomes tokens: token files take their defaults."""
+"""``DataConfig`` fields that shape how text becomes tokens: token files take their defaults.
+(Mixture weights are refused for token files by ``prepare_data`` before this module runs.)"""
 SCAN_TOKENS = 1 << 22
 """Tokens read at once while scanning a file."""
 
