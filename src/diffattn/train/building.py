@@ -63,14 +63,17 @@ class TrainerBuilding:
         except ValueError as error:
             raise ConfigError("environment", str(error)) from None
         check_runtime(config, env)
-        if config.tp > 1 and self.model_factory is not None:
-            raise ConfigError("tp", "applies to preset models, not to a model_factory")
+        for key in ("tp", "cp"):
+            if getattr(config, key) > 1 and self.model_factory is not None:
+                raise ConfigError(key, "applies to preset models, not to a model_factory")
         self.model_config = config.model_config() if self.model_factory is None else None
         self._data_config = config.data_config() if self.data is None else None
         self.env = env
         self.world = env.world_size
-        # data-parallel ranks: the ranks of one tensor-parallel group read the same rows
-        self.dp_world, self.dp_rank = env.world_size // config.tp, env.rank // config.tp
+        # data-parallel ranks: the ranks of one tensor- and context-parallel group (cp·tp ranks,
+        # which check_runtime has found to divide the launch) read the same rows
+        group = config.tp * config.cp
+        self.dp_world, self.dp_rank = env.world_size // group, env.rank // group
         self.main = env.is_main
         self.device = distributed.resolve_device(config.device, env)
         distributed.init_process_group(env, self.device)

@@ -44,7 +44,7 @@ def check_runtime(config: Any, env: Any, cuda_available: bool | None = None) -> 
             + "; set parallel: ddp or fsdp",
         )
     group = config.tp * config.cp  # the ranks that read the same rows: one data-parallel rank
-    if env.world_size % group:  # the message of the trainer's own check (Trainer._launch)
+    if env.world_size % group:
         within = f" × tp {config.tp}" if config.tp > 1 else ""
         raise ConfigError(
             "cp",

@@ -58,7 +58,6 @@ from torch import nn
 from diffattn.train import distributed
 from diffattn.train.building import TrainerBuilding
 from diffattn.train.config import (
-    ConfigError,
     TrainConfig,
 )
 from diffattn.train.context_parallel import (
@@ -256,19 +255,9 @@ class Trainer(TrainerBuilding, CheckpointSaving):
         """:meth:`TrainerBuilding._launch`, then the context-parallel groups of ``cp`` ranks
         (``tp`` apart), which read the same rows: one data-parallel rank per ``cp·tp``."""
         super()._launch()
-        self.cp_group = None
         cp, tp = self.config.cp, self.config.tp
-        if cp == 1:
-            return
-        if self.world % (cp * tp):
-            within = f" × tp {tp}" if tp > 1 else ""
-            raise ConfigError(
-                "cp", f"{cp}{within} does not divide the {self.world} processes of the launch"
-            )
-        if self.model_factory is not None:
-            raise ConfigError("cp", "applies to preset models, not to a model_factory")
-        self.dp_world, self.dp_rank = self.world // (cp * tp), self.env.rank // (cp * tp)
-        self.cp_group = context_parallel_group(cp, self.world, self.env.rank, stride=tp)
+        if cp > 1:
+            self.cp_group = context_parallel_group(cp, self.world, self.env.rank, stride=tp)
 
     def _say(self, message: str) -> None:
         if self.progress and self.main:
