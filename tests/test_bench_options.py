@@ -56,9 +56,10 @@ options:
   --no-hf               skip the Hugging Face DiffLlama and Llama models
   --dex                 add HF Llama with Dex on half its heads, unmerged and merged
                         (needs transformers)
-  --models MODELS       time only these rows (e.g. baseline,hf_llama); each row's
-                        reference (baseline for ours, hf_llama for HF and Dex rows) must
-                        be among them
+  --models MODELS       time only these rows (e.g. baseline,hf_llama); a row of ours is an
+                        attention type or an ablation of one, spelled as diffattn
+                        compare's arms (gda:ratio=1); each row's reference (baseline for
+                        ours, hf_llama for HF and Dex rows) must be among them
   --sweep SWEEP         time at each of these sequence lengths (e.g. 512,1024,2048);
                         decode prompts too
   --plot PLOT           write a PNG of tokens/s against sequence length per mode; sweeps

@@ -68,6 +68,23 @@ def test_the_report_names_each_rows_attention(toy, capsys, one_thread):
     assert f"attention of {TOY}: layer 0: Toy softmax: 2 query heads, 2 KV heads of width 64" in out
 
 
+def test_an_ablation_is_a_row_with_its_options_and_one_name_however_spelled(capsys, one_thread):
+    shape = ["--d-model", "512", "--kv-heads", "2"]
+    argv = [*TINY, *shape, "--mode", "fwd", "--models", "baseline, gda:ratio=1 ,diff_v1,gda"]
+    configs = build_configs(_args(argv))
+    assert list(configs) == ["baseline", "diff_v1", "diff_v2", "gda:ratio=1", "gda"]
+    assert configs["gda:ratio=1"].attention_options == {"gda": {"ratio": 1}}
+    assert configs["gda"].attention_options in ({}, None)
+    assert run(_args(argv)) == 0
+    rows = {r["attention"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(rows) == {"baseline", "diff_v1", "gda:ratio=1", "gda"}
+    # a 1:1 GDA is DIFF V1's layer (docs/attention_types.md): same parameters, same kernel
+    assert rows["gda:ratio=1"]["params"] == rows["diff_v1"]["params"]
+    assert rows["gda:ratio=1"]["kernel"] == rows["diff_v1"]["kernel"]
+    assert run(_args([*TINY, *shape, "--models", "baseline,gda:ratio=0"])) == 2
+    assert "--models: choose among" in capsys.readouterr().err
+
+
 def test_a_mixed_stack_is_not_a_bench_row(capsys):
     assert run(_args([*TINY, "--models", "baseline,diff_v1*2"])) == 2
     err = capsys.readouterr().err

@@ -32,7 +32,7 @@ SURFACE: dict[str, dict[str, Any]] = {
                                 '--new-tokens', '--no-hf', '--peak-tflops', '--plot',
                                 '--prompt-len', '--seq-len', '--steps', '--sweep', '--vocab',
                                 '--warmup', '-h'],
-                    'digest': 'd190d15e8946f965',
+                    'digest': '03dba9eefccf5c63',
                     'defaults': {'verb': 'bench',
                                  'seq_len': 2048,
                                  'd_model': 512,

@@ -108,9 +108,10 @@ class BenchSettings(Settings):
     )
     models: list[str] | None = setting(  # noqa: RUF009 (a field, as every setting())
         None,
-        type=lambda text: [name for name in text.replace(",", " ").split() if name],
-        help="time only these rows (e.g. baseline,hf_llama); each row's reference "
-        "(baseline for ours, hf_llama for HF and Dex rows) must be among them",
+        type=lambda text: row_names([text]),
+        help="time only these rows (e.g. baseline,hf_llama); a row of ours is an attention "
+        "type or an ablation of one, spelled as diffattn compare's arms (gda:ratio=1); each "
+        "row's reference (baseline for ours, hf_llama for HF and Dex rows) must be among them",
     )
     sweep: list[int] | None = setting(  # noqa: RUF009 (a field, as every setting())
         None,
@@ -265,22 +266,45 @@ def default_types() -> tuple[str, ...]:
     return tuple(n for n in attention_type_names() if attention_type(n).bench_by_default)
 
 
+def row_names(items) -> list[str]:
+    """The rows ``--models`` names, each of ours in its canonical arm spelling
+    (:func:`diffattn.compare.arms.parse_arm`: ``gda:ratio=1``), HF and Dex rows as given, and
+    a name that is neither kept as given for :func:`_check_models` to refuse."""
+    from diffattn.compare.arms import parse_arm, split_arms
+
+    rows = []
+    for spelling in split_arms(items):
+        try:
+            rows.append(parse_arm(spelling).name)
+        except ValueError:
+            rows.append(spelling)
+    return rows
+
+
 def bench_types(args: Options) -> tuple[str, ...]:
-    """Our rows' attention types: :func:`default_types`, then any other registered type that
-    ``--models`` names (a list, or comma-separated text as a script may give)."""
+    """Our rows: :func:`default_types`, then any other arm (a registered type, or an ablation
+    of one, as ``diffattn compare`` spells them) that ``--models`` names (a list, or
+    comma-separated text as a script may give)."""
+    from diffattn.compare.arms import arm_of
+
     models = getattr(args, "models", None) or ()
-    named = models.replace(",", " ").split() if isinstance(models, str) else models
-    registered = attention_type_names()
-    return (*default_types(), *(n for n in named if n in registered and n not in default_types()))
+    named = row_names([models] if isinstance(models, str) else models)
+    defaults = default_types()
+    ours = [n for n in named if n not in defaults and n not in HF_ROWS + DEX_ROWS]
+    return (*defaults, *(n for n in dict.fromkeys(ours) if arm_of(n) is not None))
 
 
 def _check_models(args: Options) -> str | None:
-    ours = attention_type_names()
-    known = (*ours, *([] if args.no_hf else HF_ROWS), *(DEX_ROWS if args.dex else ()))
-    unknown = [name for name in args.models if name not in known]
+    from diffattn.compare.arms import arm_of
+
+    rows = (*([] if args.no_hf else HF_ROWS), *(DEX_ROWS if args.dex else ()))
+    ours = [name for name in args.models if name not in rows]
+    unknown = [name for name in ours if arm_of(name) is None]
     if unknown or not args.models:
+        known = (*attention_type_names(), *rows)
         return (
-            f"--models: choose among {', '.join(known)}, got {', '.join(args.models) or 'none'}"
+            f"--models: choose among {', '.join(known)} (a type of ours may carry options, "
+            f"as diffattn compare's arms: gda:ratio=1), got {', '.join(args.models) or 'none'}"
             " (a row of ours is one registered attention type at the bench's sizes; a stack of "
             "mixed types, ModelConfig.layer_types, is not a row)"
         )

@@ -74,6 +74,7 @@ from diffattn.bench.options import (
     longest,
     modes_of,
     prompt_len_of,
+    row_names,
     settings_of,
     warmup_of,
 )
@@ -139,7 +140,9 @@ def matched_v2(baseline: ModelConfig) -> ModelConfig:
 
 def build_configs(args: Options) -> dict[str, ModelConfig]:
     """The configs of our rows (:func:`~diffattn.bench.options.bench_types`: baseline, DIFF V1
-    and DIFF V2, and any registered type ``--models`` names) at matched parameters: the
+    and DIFF V2, and any registered type or ablation of one that ``--models`` names, its
+    options applied as :meth:`diffattn.compare.arms.Arm.model_fields` gives them) at matched
+    parameters: the
     baseline's shape for every type, and the SwiGLU of a type matched by narrowing it
     (``AttentionType.matches_by_ffn``, as DIFF V2) narrowed as ``presets.match_v2_params``
     does. ``ValueError`` names a type whose heads do not fit the shape."""
@@ -153,9 +156,11 @@ def build_configs(args: Options) -> dict[str, ModelConfig]:
         attention=REFERENCE,
         backend=args.backend,
     )
+    from diffattn.compare.arms import parse_arm
+
     configs = {}
     for name in bench_types(args):
-        config = baseline.replace(attention=name)
+        config = baseline.replace(**parse_arm(name).model_fields())
         matched = config.type_of_layer(0).matches_by_ffn(config)
         configs[name] = presets.match_v2_params(config) if matched else config
     return configs
@@ -408,7 +413,8 @@ def build_candidates(args: Options, configs: dict[str, ModelConfig], log):
         if args.dex:
             candidates += dex_candidates(next(c for c in hf if c.name == "hf_llama"))
     if args.models is not None:
-        candidates = [c for c in candidates if c.name in args.models]
+        wanted = set(row_names(args.models))
+        candidates = [c for c in candidates if c.name in wanted]
     return candidates
 
 
