@@ -55,6 +55,7 @@ MODULE_EXTRAS = {
     "fastapi": "serve",
     "uvicorn": "serve",
     "openai": "serve",
+    "ray": "ray",
 }
 """The extra that provides each optional top-level module a test may import."""
 

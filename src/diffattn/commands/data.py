@@ -64,6 +64,28 @@ class PrepareSettings(Settings):
     shard_tokens: int | None = setting(None, help="tokens per shard file")
     cache_dir: str | None = setting(None, help="cache root (default: $DIFFATTN_CACHE/data)")
     strict: bool = setting(False, help="refuse binary documents and invalid UTF-8")
+    engine: Literal["local", "ray"] = setting(
+        "local",
+        help="who tokenises: this process (local, default) or Ray Data (ray: the same shards "
+        "and cache key, resumable; pip install 'diffattn[ray]')",
+    )
+    workers: int | None = setting(
+        None,
+        min=1,
+        help="--engine ray: tasks run at once (default: the CPU count, or the cluster's CPUs)",
+    )
+    address: str | None = setting(
+        None,
+        metavar="ADDR",
+        help="--engine ray: a running Ray cluster (HOST:PORT, ray://HOST:PORT or auto) "
+        "instead of an embedded local Ray",
+    )
+    task_bytes: int | None = setting(
+        None,
+        min=1,
+        help="--engine ray: input bytes per task (default 4 MiB; a larger file is one task, a "
+        "Parquet file with row groups one task per group)",
+    )
     progress: bool = progress_switch("no progress bar or notices")
 
 
@@ -152,12 +174,34 @@ def data_config(settings: PrepareSettings) -> Any:
     return recipe_data_config(settings.recipe, settings.overrides).replace(**changes)
 
 
+def _engine(settings: PrepareSettings, config: Any) -> Any:
+    """The :class:`~diffattn.data.ray_engine.RayEngine` ``--engine ray`` asks for, connected
+    (``None`` for the local engine, which takes no --workers, --address or --task-bytes)."""
+    if settings.engine == "local":
+        for name in ("workers", "address", "task_bytes"):
+            if getattr(settings, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} applies to --engine ray")
+        return None
+    from diffattn.data.prepare import check_engine_config
+    from diffattn.data.ray_engine import DEFAULT_TASK_BYTES, RayEngine
+
+    check_engine_config(config)
+    task_bytes = settings.task_bytes or DEFAULT_TASK_BYTES
+    return RayEngine(settings.workers, settings.address, task_bytes).connect()
+
+
 def _prepare(settings: PrepareSettings) -> int:
     from diffattn.data import prepare_data
     from diffattn.data.inspection import describe, inspect_path
 
+    settings.check()
     config = data_config(settings)
-    data = prepare_data(config, progress=settings.progress)
+    engine = _engine(settings, config)
+    try:
+        data = prepare_data(config, progress=settings.progress, engine=engine)
+    finally:
+        if engine is not None:
+            engine.close()
     summary = inspect_path(data.directory, samples=0)
     how = "found in the cache" if data.cached else f"prepared in {data.stats.seconds:.1f} s"
     print(f"diffattn data: {how}")

@@ -28,10 +28,10 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from diffattn.config import reject_unknown_fields
 from diffattn.data.external import token_sources
@@ -272,10 +272,42 @@ def _documents(config: DataConfig, stats: SourceStats | None = None) -> Iterator
     )
 
 
-def _training_documents(config: DataConfig) -> Iterator[str]:
-    """Training-split documents, capped at ``bpe_train_bytes`` (what a BPE learns from)."""
+class PrepareEngine(Protocol):
+    """What tokenises the documents when not this process alone (``diffattn data prepare
+    --engine``, e.g. :class:`diffattn.data.ray_engine.RayEngine`): the same documents in the
+    same order as :func:`iter_documents`, so the same tokenizer, shards and cache key.
+
+    ``write_shards(config, stats, tokenizer, out, entry, progress)`` tokenises into ``out``'s
+    train and valid shard sets as :func:`~diffattn.data.shards.write_token_shards` does,
+    counting into ``stats``; ``entry`` is the cache entry ``out`` becomes (resumable work may
+    live beside it)."""
+
+    write_shards: Callable[[DataConfig, SourceStats, Tokenizer, Path, Path, bool], WriteResult]
+
+    def documents(self, config: DataConfig) -> Iterator[str]:
+        """``config``'s documents in input order (what a BPE tokenizer learns from)."""
+        ...
+
+    def published(self, entry: Path) -> None:
+        """``entry`` is complete: work kept for a resume can go."""
+        ...
+
+
+def check_engine_config(config: DataConfig) -> None:
+    """``ValueError`` for what only this process prepares (a mixture), before any engine."""
+    if config.weights is not None:
+        raise ValueError(
+            "mixture weights are prepared by this process alone; leave out --engine ray"
+        )
+
+
+def _training_documents(
+    config: DataConfig, documents: Iterable[str] | None = None
+) -> Iterator[str]:
+    """Training-split documents (of ``documents``, default: ``config``'s), capped at
+    ``bpe_train_bytes`` (what a BPE learns from)."""
     used = 0
-    for text in _documents(config):
+    for text in _documents(config) if documents is None else documents:
         if is_validation_document(text, seed=config.seed, valid_fraction=config.valid_fraction):
             continue
         yield text
@@ -288,7 +320,12 @@ def _empty_corpus(config: DataConfig, detail: str) -> ValueError:
     return ValueError(f"empty corpus: {detail} in sources {list(config.sources)}")
 
 
-def _build_tokenizer(config: DataConfig, source_fingerprint: str, progress: bool) -> Tokenizer:
+def _build_tokenizer(
+    config: DataConfig,
+    source_fingerprint: str,
+    progress: bool,
+    engine: PrepareEngine | None = None,
+) -> Tokenizer:
     spec = parse_tokenizer_spec(config.tokenizer)
     if spec.kind != "bpe":
         return load_tokenizer(config.tokenizer)
@@ -303,7 +340,9 @@ def _build_tokenizer(config: DataConfig, source_fingerprint: str, progress: bool
     try:
         return load_tokenizer(
             config.tokenizer,
-            documents=lambda: _training_documents(config),
+            documents=lambda: _training_documents(
+                config, None if engine is None else engine.documents(config)
+            ),
             cache_dir=config.cache_path,
             fingerprint=corpus,
             progress=progress,
@@ -345,11 +384,14 @@ def _open_prepared(config: DataConfig, directory: Path, tokenizer: Tokenizer) ->
 
 
 def prepare_data(
-    config: DataConfig | Mapping[str, Any] | None = None, progress: bool = True
+    config: DataConfig | Mapping[str, Any] | None = None,
+    progress: bool = True,
+    engine: PrepareEngine | None = None,
 ) -> PreparedData:
     """Tokenise ``config``'s sources into cached train/valid shard sets.
 
-    Returns the tokenizer, both :class:`~diffattn.data.shards.ShardSet` objects and
+    ``engine``: what reads and tokenises the documents (:class:`PrepareEngine`; ``None``: this
+    process). Returns the tokenizer, both :class:`~diffattn.data.shards.ShardSet` objects and
     :class:`DataStats`. Raises ``ValueError`` before any work for a bad configuration or a
     missing local source, and ``ValueError`` naming the sources for an empty corpus or one
     whose documents all fell into the validation split.
@@ -375,7 +417,9 @@ def prepare_data(
     )
     if next(_documents(config), None) is None:
         raise _empty_corpus(config, "no documents")
-    tokenizer = _build_tokenizer(config, source_fingerprint, progress)
+    if engine is not None:
+        check_engine_config(config)
+    tokenizer = _build_tokenizer(config, source_fingerprint, progress, engine)
     root = config.cache_path / "shards"
     directory = root / _preparation_key(config, source_fingerprint, tokenizer)
     if (directory / PREPARED).is_file():
@@ -385,7 +429,11 @@ def prepare_data(
     # same data: the name is a hash of everything that determines it) is replaced
     with atomic_directory(directory, overwrite=True) as tmp:
         source_stats = SourceStats()
-        result, mixture = _write_shards(config, source_stats, tokenizer, tmp, progress)
+        if engine is None:
+            result, mixture = _write_shards(config, source_stats, tokenizer, tmp, progress)
+        else:
+            written = engine.write_shards(config, source_stats, tokenizer, tmp, directory, progress)
+            result, mixture = _check_written(config, written, stacklevel=3), {}
         if getattr(tokenizer, "backend", None) is not None:
             tokenizer.save(tmp / "tokenizer")
         stats = _data_stats(result, source_stats, source_fingerprint, tokenizer, started)
@@ -397,6 +445,8 @@ def prepare_data(
             **mixture,
         }
         (tmp / PREPARED).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    if engine is not None:
+        engine.published(directory)
     notice = stats.text_notice()
     if notice:
         print(notice, file=sys.stderr, flush=True)
@@ -474,6 +524,12 @@ def _write_shards(
             progress=progress,
             **split,
         )
+    return _check_written(config, result), extra
+
+
+def _check_written(config: DataConfig, result: WriteResult, stacklevel: int = 4) -> WriteResult:
+    """Refuse an empty corpus or one with no training tokens, and warn (at ``prepare_data``'s
+    caller, ``stacklevel`` frames up) when no document fell into the validation split."""
     if result.documents == 0:
         raise _empty_corpus(config, "no documents")
     if result.train_tokens == 0:
@@ -487,9 +543,9 @@ def _write_shards(
             f"no document of the {result.documents} in sources {list(config.sources)} fell "
             f"into the validation split (valid_fraction={config.valid_fraction}); "
             "the valid shard set is empty",
-            stacklevel=3,  # prepare_data's caller
+            stacklevel=stacklevel,
         )
-    return result, extra
+    return result
 
 
 def _data_stats(

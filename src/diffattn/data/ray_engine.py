@@ -1,0 +1,689 @@
+"""``diffattn data prepare --engine ray``: read and tokenise the documents on Ray Data.
+
+The input becomes *tasks*: runs of consecutive files of one source (about ``task_bytes`` of
+input each), a Parquet file with several row groups one task per row group, an ``hf:`` or
+``synthetic:`` source one task. Ray Data runs the tasks on ``workers`` processes (an embedded
+local Ray, or the cluster at ``address``); each returns its documents' token ids, UTF-8 sizes,
+splits (:func:`~diffattn.data.shards.is_validation_document`) and reading statistics. Ray
+returns them out of order; the driver commits each one atomically to a work directory beside
+the cache entry (``CACHE/shards/.KEY.work/task-NNNNNN/``) and writes the shards itself, in input
+order, through the same :class:`~diffattn.data.shards.ShardWriter`: the shard files, the
+fingerprint and the cache key are those of the local path whatever the number of workers. A
+killed run leaves its finished tasks there; the next run with the same plan
+(``plan.json``) reads them instead of tokenising again, and the work directory goes once the
+entry is published. Byte caps (``max_bytes``, ``stdlib:N``) apply in input order as
+:func:`~diffattn.data.sources.iter_documents` applies them: the one task a cap cuts is read
+again on the driver, document by document.
+
+Ray is imported lazily (``pip install 'diffattn[ray]'``), so ``import diffattn`` never needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from diffattn.data.shards import ShardWriter, WriteResult, is_validation_document
+from diffattn.data.sources import (
+    HF_PREFIX,
+    SourceStats,
+    _Emitter,
+    _fit_utf8,
+    is_stdlib_spec,
+    iter_documents,
+    read_file,
+    read_text_file,
+    resolve_files,
+    stdlib_spec_cap,
+)
+from diffattn.data.stdlib import stdlib_files
+from diffattn.data.synthetic import is_synthetic_spec
+from diffattn.data.tokenizers import Tokenizer, encode_batch
+from diffattn.fileio import atomic_directory, remove_partial_writes
+
+if TYPE_CHECKING:
+    from diffattn.data.prepare import DataConfig
+
+RAY_HINT = "pip install 'diffattn[ray]'"
+TASK_DELAY_ENV = "DIFFATTN_RAY_TASK_DELAY"
+"""Seconds each task sleeps before it returns (tests kill a run in the middle with it)."""
+DEFAULT_TASK_BYTES = 4 << 20
+"""Input bytes gathered into one task (a file larger than this is a task of its own)."""
+WORK_FORMAT = "diffattn-ray-prepare-work"
+RESULT = "result.npz"
+SPLIT_NAMES = {False: "train", True: "valid"}
+_COUNTERS = ("files", "replaced_documents", "replaced_bytes", "binary_documents", "binary_bytes")
+
+
+# --------------------------------------------------------------------------------------------
+# the plan: pieces of input gathered into tasks
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Piece:
+    """One readable part of a source: a whole file, one Parquet row group, or the source."""
+
+    kind: str
+    """``file``, ``row_group`` or ``source`` (``hf:``/``synthetic:``, read whole)."""
+    name: str
+    """The file's path, or the spec of a ``source`` piece."""
+    size: int
+    split: str = "file"
+    row_group: int = 0
+    first_row: int = 0
+
+
+@dataclass(frozen=True)
+class Task:
+    """Consecutive pieces of one source: what one Ray task reads and tokenises."""
+
+    index: int
+    source: int
+    pieces: tuple[Piece, ...]
+
+
+def _source_pieces(spec: str, split: str) -> list[Piece]:
+    if is_stdlib_spec(spec):
+        return [Piece("file", str(p), p.stat().st_size) for p in stdlib_files()]
+    if is_synthetic_spec(spec) or spec.startswith(HF_PREFIX):
+        return [Piece("source", spec, 0)]
+    pieces = []
+    for path in resolve_files(spec):
+        size = path.stat().st_size
+        pieces.extend(_row_group_pieces(path) or [Piece("file", str(path), size, split)])
+    return pieces
+
+
+def _row_group_pieces(path: Path) -> list[Piece]:
+    """One piece per row group of a Parquet file with more than one, else none."""
+    if not path.name.lower().endswith(".parquet"):
+        return []
+    import pyarrow.parquet as pq
+
+    metadata = pq.ParquetFile(path).metadata
+    if metadata.num_row_groups < 2:
+        return []
+    pieces, first = [], 0
+    for group in range(metadata.num_row_groups):
+        info = metadata.row_group(group)
+        pieces.append(Piece("row_group", str(path), info.total_byte_size, "file", group, first))
+        first += info.num_rows
+    return pieces
+
+
+def plan_tasks(config: DataConfig, task_bytes: int = DEFAULT_TASK_BYTES) -> list[Task]:
+    """The tasks of ``config``'s sources in input order: consecutive pieces of one source
+    until ``task_bytes`` of input."""
+    tasks: list[Task] = []
+    for source, spec in enumerate(config.sources):
+        run: list[Piece] = []
+        for piece in _source_pieces(spec, config.document_split):
+            if run and sum(p.size for p in run) + piece.size > task_bytes:
+                tasks.append(Task(len(tasks), source, tuple(run)))
+                run = []
+            run.append(piece)
+        if run:
+            tasks.append(Task(len(tasks), source, tuple(run)))
+    return tasks
+
+
+# --------------------------------------------------------------------------------------------
+# reading one task (on a worker, or on the driver for the task a cap cuts)
+# --------------------------------------------------------------------------------------------
+@dataclass
+class TaskStats:
+    """Reading statistics of a task, per piece, so that files split over pieces (row groups)
+    count once however the pieces fall into tasks."""
+
+    pieces: list[tuple[str, SourceStats]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {name: 0 for name in _COUNTERS}
+        replaced, binary = set(), set()
+        for key, stats in self.pieces:
+            for name in _COUNTERS:
+                out[name] += getattr(stats, name)
+            if stats.replaced_files:
+                replaced.add(key)
+            if stats.binary_files:
+                binary.add(key)
+        return {**out, "replaced_keys": sorted(replaced), "binary_keys": sorted(binary)}
+
+
+def _read_row_group(
+    piece: Piece, text_field: str, stats: SourceStats, strict: bool
+) -> Iterator[str]:
+    """The documents of one Parquet row group, as ``read_parquet_file`` reads them."""
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(piece.name)
+    columns = parquet.schema_arrow.names
+    if text_field not in columns:
+        raise ValueError(
+            f"{piece.name}: no column {text_field!r} (columns: {columns}); "
+            "set text_field to the column that holds the text"
+        )
+    emit = _Emitter(stats, strict)
+    stats.files += piece.first_row == 0  # the file counts once, at its first row group
+    row = piece.first_row - 1
+    holds = f"{piece.name}: column {text_field!r} holds"
+    for batch in parquet.iter_batches(row_groups=[piece.row_group], columns=[text_field]):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            document = emit.row(value, f"{piece.name}: row {row}", holds)
+            if document is not None:
+                yield document
+
+
+def task_documents(task: Task, spec: str, config: DataConfig, stats: TaskStats) -> Iterator[str]:
+    """The documents of ``task`` in order (before any byte cap), counted into ``stats``."""
+    text_field, strict = config.text_field, config.strict
+    for piece in task.pieces:
+        piece_stats = SourceStats()
+        stats.pieces.append((f"{task.source}:{piece.name}", piece_stats))
+        if piece.kind == "row_group":
+            yield from _read_row_group(piece, text_field, piece_stats, strict)
+        elif piece.kind == "source":
+            yield from iter_documents(
+                [spec],
+                text_field=text_field,
+                split=config.document_split,  # type: ignore[arg-type]
+                stats=piece_stats,
+                strict=strict,
+            )
+        elif is_stdlib_spec(spec):
+            yield from read_text_file(piece.name, stats=piece_stats, strict=strict)
+        else:
+            yield from read_file(
+                piece.name,
+                text_field=text_field,
+                split=piece.split,  # type: ignore[arg-type]
+                stats=piece_stats,
+                strict=strict,
+            )
+
+
+def _pack(arrays: dict[str, np.ndarray], summary: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    meta = np.frombuffer(json.dumps(summary).encode("utf-8"), dtype=np.uint8)
+    np.savez(buffer, meta=meta, **arrays)
+    return buffer.getvalue()
+
+
+def _unpack(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    with np.load(io.BytesIO(payload), allow_pickle=False) as data:
+        arrays = {name: data[name] for name in data.files}
+    return arrays, json.loads(arrays.pop("meta").tobytes().decode("utf-8"))
+
+
+def tokenize_task(task: Task, spec: str, config: DataConfig, tokenizer: Tokenizer) -> bytes:
+    """Read and tokenise one task: ids (concatenated), per-document token counts, UTF-8 sizes
+    and validation flags, and the task's statistics, packed as ``.npz`` bytes."""
+    stats = TaskStats()
+    texts = list(task_documents(task, spec, config, stats))
+    ids = encode_batch(tokenizer, texts) if texts else []
+    lengths = np.array([len(row) for row in ids], dtype=np.int64)
+    flat = np.fromiter((i for row in ids for i in row), dtype=np.uint32, count=int(lengths.sum()))
+    arrays = {
+        "ids": flat,
+        "lengths": lengths,
+        "sizes": np.array([len(t.encode("utf-8")) for t in texts], dtype=np.int64),
+        "valid": np.array(
+            [
+                is_validation_document(t, seed=config.seed, valid_fraction=config.valid_fraction)
+                for t in texts
+            ],
+            dtype=bool,
+        ),
+    }
+    return _pack(arrays, stats.summary())
+
+
+def read_task(task: Task, spec: str, config: DataConfig) -> bytes:
+    """Read one task: its documents' UTF-8 bytes concatenated and their sizes (``.npz``)."""
+    texts = [t.encode("utf-8") for t in task_documents(task, spec, config, TaskStats())]
+    arrays = {
+        "text": np.frombuffer(b"".join(texts), dtype=np.uint8),
+        "sizes": np.array([len(t) for t in texts], dtype=np.int64),
+    }
+    return _pack(arrays, {})
+
+
+# --------------------------------------------------------------------------------------------
+# byte caps, applied in input order as iter_documents applies them
+# --------------------------------------------------------------------------------------------
+class CapWalk:
+    """The ``stdlib:N`` source caps and ``max_bytes``, over documents met in input order."""
+
+    def __init__(self, config: DataConfig) -> None:
+        self.caps = [stdlib_spec_cap(s) if is_stdlib_spec(s) else None for s in config.sources]
+        self.max_bytes = config.max_bytes
+        self.used = [0] * len(config.sources)
+        self.total = 0
+        self.truncated = False
+        self.stopped = False
+        self.closed: set[int] = set()
+
+    def skips(self, task: Task) -> bool:
+        """The cap of ``task``'s source, or ``max_bytes``, is already reached."""
+        return self.stopped or task.source in self.closed
+
+    def take_whole(self, source: int, size: int) -> bool:
+        """Whether documents of ``size`` bytes together pass both caps uncut (then counted)."""
+        cap = self.caps[source]
+        if cap is not None and self.used[source] + size > cap:
+            return False
+        if self.max_bytes is not None and self.total + size > self.max_bytes:
+            return False
+        self.used[source] += size
+        self.total += size
+        return True
+
+    def admit(self, source: int, text: str) -> str | None:
+        """``text`` as it passes the caps (cut at a character boundary; ``None``: nothing
+        left); a cut closes the source (``stdlib:N``) or stops the corpus (``max_bytes``)."""
+        size = len(text.encode("utf-8"))
+        cap = self.caps[source]
+        if cap is not None and self.used[source] + size > cap:
+            text = _fit_utf8(text, cap - self.used[source])
+            self.truncated = True
+            self.closed.add(source)
+            if not text:
+                return None
+            size = len(text.encode("utf-8"))
+        else:
+            self.used[source] += size
+        if self.max_bytes is not None and self.total + size > self.max_bytes:
+            text = _fit_utf8(text, self.max_bytes - self.total)
+            self.truncated = self.stopped = True
+        self.total += len(text.encode("utf-8"))
+        return text or None
+
+
+def _add_summary(stats: SourceStats, keys: dict[str, set[str]], summary: dict[str, Any]) -> None:
+    for name in _COUNTERS:
+        setattr(stats, name, getattr(stats, name) + summary[name])
+    keys["replaced"].update(summary["replaced_keys"])
+    keys["binary"].update(summary["binary_keys"])
+    stats.replaced_files = len(keys["replaced"])
+    stats.binary_files = len(keys["binary"])
+
+
+def _documents_here(
+    task: Task, config: DataConfig, walk: CapWalk, stats: TaskStats
+) -> Iterator[str]:
+    """``task``'s documents as they pass the caps, read on the driver document by document
+    (the task a cap cuts, or one whose worker failed: its error is raised here, in order)."""
+    for text in task_documents(task, config.sources[task.source], config, stats):
+        admitted = walk.admit(task.source, text)
+        if admitted is not None:
+            yield admitted
+        if walk.skips(task):
+            return
+
+
+def _split_texts(arrays: dict[str, np.ndarray]) -> Iterator[str]:
+    data = arrays["text"].tobytes()
+    start = 0
+    for size in arrays["sizes"].tolist():
+        yield data[start : start + size].decode("utf-8")
+        start += size
+
+
+@dataclass
+class _Counts:
+    documents: int = 0
+    bytes: int = 0
+    keys: dict[str, set[str]] = field(default_factory=lambda: {"replaced": set(), "binary": set()})
+
+
+def _progress_bar(enabled: bool, total: int) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with the train extra
+        return None
+    return tqdm(
+        total=total,
+        unit="task",
+        desc="tokenising (ray)",
+        disable=None if sys.stderr.isatty() else True,
+    )
+
+
+@contextlib.contextmanager
+def _split_writers(out: Path, tokenizer: Tokenizer, shard_tokens: int) -> Iterator[dict]:
+    """The train (``False``) and valid (``True``) shard writers under ``out``, their
+    unfinished shards dropped when the block fails."""
+    common = {"vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
+    common |= {"tokenizer_name": tokenizer.name, "shard_tokens": shard_tokens}
+    writers = {valid: ShardWriter(out / SPLIT_NAMES[valid], **common) for valid in (False, True)}
+    try:
+        yield writers
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# the engine
+# --------------------------------------------------------------------------------------------
+def import_ray() -> Any:
+    """The ``ray`` module with Ray Data; without it one ``ValueError`` naming the extra."""
+    try:
+        import ray
+        import ray.data
+    except ImportError:
+        raise ValueError(f"--engine ray needs Ray Data: {RAY_HINT}") from None
+    return ray
+
+
+def check_reachable(address: str, timeout: float) -> None:
+    """``ValueError`` (one line) when nothing answers at ``address`` within ``timeout`` s."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--address {address!r}: expected HOST:PORT, ray://HOST:PORT or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as error:
+        raise ValueError(
+            f"--address {address}: no Ray cluster answers there ({error.strerror or error}); "
+            "start one with `ray start --head`, or leave out --address for an embedded Ray"
+        ) from None
+
+
+class RayEngine:
+    """Reads and tokenises on Ray Data (see the module docstring); a
+    :class:`~diffattn.data.prepare.PrepareEngine`. :meth:`connect` first (an embedded Ray
+    with ``workers`` CPUs, the cluster at ``address``, or the Ray this process already runs),
+    :meth:`close` after."""
+
+    def __init__(
+        self,
+        workers: int | None = None,
+        address: str | None = None,
+        task_bytes: int = DEFAULT_TASK_BYTES,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        if workers is not None and (isinstance(workers, bool) or workers < 1):
+            raise ValueError(f"--workers must be at least 1, got {workers}")
+        if task_bytes < 1:
+            raise ValueError(f"task_bytes must be positive, got {task_bytes}")
+        self.workers = workers
+        self.address = address
+        self.task_bytes = task_bytes
+        self.connect_timeout = connect_timeout
+        self.progress: dict[str, int] = {}
+        """What the last :meth:`write_shards` counted: tasks written (its progress bar),
+        ``resumed`` from the work directory, ``computed`` by Ray, documents and bytes."""
+        self._owned = False
+        self._ray: Any = None
+
+    def connect(self) -> RayEngine:
+        import logging
+
+        ray = import_ray()
+        self._ray = ray
+        if self.address is not None:
+            check_reachable(self.address, self.connect_timeout)
+        if ray.is_initialized():
+            return self
+        quiet = {"logging_level": logging.WARNING, "log_to_driver": False}
+        if self.address is not None:
+            try:
+                ray.init(address=self.address, **quiet)
+            except Exception as error:  # Ray raises many kinds: one line
+                message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                raise ValueError(f"--address {self.address}: cannot join: {message}") from None
+        else:
+            cpus = self.workers or os.cpu_count() or 1
+            ray.init(num_cpus=cpus, include_dashboard=False, **quiet)
+        self._owned = True
+        return self
+
+    def close(self) -> None:
+        """Shut down the Ray this engine started (not one it found running)."""
+        if self._owned and self._ray is not None:
+            self._ray.shutdown()
+        self._owned = False
+
+    def __enter__(self) -> RayEngine:
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def concurrency(self) -> int:
+        """Tasks run at once: ``workers``, else the cluster's CPUs."""
+        if self.workers is not None:
+            return self.workers
+        return max(1, int(self._ray.cluster_resources().get("CPU", 1)))
+
+    # -- streaming ----------------------------------------------------------------------
+    def _stream(
+        self, tasks: list[Task], job: Callable[[Task], bytes]
+    ) -> Iterator[tuple[int, bytes | None]]:
+        """``(index, payload)`` of each task as Ray finishes it (any order); ``None``: the
+        worker raised a ``ValueError`` or ``OSError`` (the driver repeats the task to raise it
+        in input order)."""
+        import logging
+
+        import ray.data
+
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False
+        # Ray Data holds CPUs back for operators that a one-operator plan does not have
+        context.op_resource_reservation_enabled = False
+        by_index = {task.index: task for task in tasks}
+        delay = float(os.environ.get(TASK_DELAY_ENV) or 0)
+
+        def run(row: dict[str, Any]) -> dict[str, Any]:
+            try:
+                payload = job(by_index[int(row["task"])])
+            except (ValueError, OSError):
+                payload = b""
+            if delay:
+                time.sleep(delay)
+            return {"task": row["task"], "payload": payload}
+
+        items = [{"task": task.index} for task in tasks]
+        dataset = ray.data.from_items(items, override_num_blocks=len(items)).map(
+            run, compute=ray.data.TaskPoolStrategy(size=self.concurrency), num_cpus=1
+        )
+        for row in dataset.iter_rows():
+            yield int(row["task"]), bytes(row["payload"]) or None
+
+    def _windows(
+        self, tasks: list[Task], job: Callable[[Task], bytes], skip: Callable[[Task], bool]
+    ) -> Iterator[tuple[int, bytes | None]]:
+        """:meth:`_stream` over windows of consecutive tasks, each twice the last (from two
+        per worker), leaving out those ``skip`` refuses when the window starts: a reader that
+        stops early (a byte cap) wastes one window at most."""
+        queue, size = iter(tasks), 2 * self.concurrency
+        while window := [task for task in itertools.islice(queue, size) if not skip(task)]:
+            yield from self._stream(window, job)
+            size *= 2
+
+    def _ordered(
+        self,
+        tasks: list[Task],
+        job: Callable[[Task], bytes],
+        work: Path | None,
+        skip: Callable[[Task], bool],
+    ) -> Iterator[tuple[Task, bytes | None]]:
+        """Each task ``skip`` does not refuse (asked at its turn) with its payload, in input
+        order: from ``work`` when a previous run committed it, else from Ray (committed to
+        ``work`` as it arrives)."""
+
+        def saved(task: Task) -> Path | None:
+            path = None if work is None else work / f"task-{task.index:06d}" / RESULT
+            return path if path is not None and path.is_file() else None
+
+        stream = self._windows([task for task in tasks if saved(task) is None], job, skip)
+        arrived: dict[int, bytes | None] = {}
+        try:
+            for task in tasks:
+                path = saved(task)
+                if skip(task):
+                    continue
+                if path is not None:
+                    yield task, path.read_bytes()
+                    continue
+                while task.index not in arrived:
+                    index, payload = next(stream)
+                    self.progress["computed"] = self.progress.get("computed", 0) + 1
+                    if work is not None and payload is not None:
+                        with atomic_directory(work / f"task-{index:06d}", overwrite=True) as tmp:
+                            (tmp / RESULT).write_bytes(payload)
+                    arrived[index] = payload
+                yield task, arrived.pop(task.index)
+        finally:
+            stream.close()
+
+    # -- PrepareEngine ------------------------------------------------------------------
+    def documents(self, config: DataConfig) -> Iterator[str]:
+        """``config``'s documents in input order, read by the workers."""
+        walk = CapWalk(config)
+        tasks = plan_tasks(config, self.task_bytes)
+
+        def job(task: Task) -> bytes:
+            return read_task(task, config.sources[task.source], config)
+
+        for task, payload in self._ordered(tasks, job, None, walk.skips):
+            arrays = _unpack(payload)[0] if payload is not None else None
+            if arrays is not None and walk.take_whole(task.source, int(arrays["sizes"].sum())):
+                yield from _split_texts(arrays)
+            else:
+                yield from _documents_here(task, config, walk, TaskStats())
+
+    def write_shards(
+        self,
+        config: DataConfig,
+        stats: SourceStats,
+        tokenizer: Tokenizer,
+        out: Path,
+        entry: Path,
+        progress: bool,
+    ) -> WriteResult:
+        """Tokenise on the workers; write ``out``'s train and valid shard sets here, in
+        input order (resuming from the work directory beside ``entry``)."""
+        tasks = plan_tasks(config, self.task_bytes)
+        work = self._work_directory(config, tokenizer, tasks, entry)
+
+        def job(task: Task) -> bytes:
+            return tokenize_task(task, config.sources[task.source], config, tokenizer)
+
+        walk, counts = CapWalk(config), _Counts()
+        resumed = sum(1 for _ in work.glob(f"task-*/{RESULT}"))
+        if resumed and progress:
+            print(
+                f"diffattn data: resuming: {resumed} of {len(tasks)} task(s) done in {work}",
+                file=sys.stderr,
+                flush=True,
+            )
+        bar = _progress_bar(progress, len(tasks))
+        self.progress = {"tasks": 0, "resumed": resumed, "computed": 0, "documents": 0, "bytes": 0}
+        with _split_writers(out, tokenizer, config.shard_tokens) as writers:
+            try:
+                for task, payload in self._ordered(tasks, job, work, walk.skips):
+                    self._write_task(task, payload, config, tokenizer, walk, writers, stats, counts)
+                    self._advance(bar, counts)
+            finally:
+                if bar is not None:
+                    bar.close()
+            train, valid = (writers[split].close() for split in (False, True))
+        stats.truncated = walk.truncated
+        documents = (counts.documents, train.num_documents, valid.num_documents)
+        return WriteResult(
+            train, valid, *documents, train.num_tokens, valid.num_tokens, counts.bytes
+        )
+
+    def _advance(self, bar: Any, counts: _Counts) -> None:
+        self.progress.update(
+            tasks=self.progress["tasks"] + 1, documents=counts.documents, bytes=counts.bytes
+        )
+        if bar is not None:
+            bar.set_postfix(documents=counts.documents, MB=round(counts.bytes / 1e6, 1))
+            bar.update(1)
+
+    @staticmethod
+    def _write_task(
+        task: Task,
+        payload: bytes | None,
+        config: DataConfig,
+        tokenizer: Tokenizer,
+        walk: CapWalk,
+        writers: dict[bool, ShardWriter],
+        stats: SourceStats,
+        counts: _Counts,
+    ) -> None:
+        """One task's documents into the writers: the worker's ids when the whole task passes
+        the caps, else the task read and encoded here."""
+        arrays, summary = _unpack(payload) if payload is not None else (None, None)
+        if arrays is not None and walk.take_whole(task.source, int(arrays["sizes"].sum())):
+            ends = np.cumsum(arrays["lengths"]).tolist()
+            ids, valid = arrays["ids"], arrays["valid"].tolist()
+            for number, end in enumerate(ends):
+                start = ends[number - 1] if number else 0
+                writers[valid[number]].add(ids[start:end])
+            counts.documents += len(ends)
+            counts.bytes += int(arrays["sizes"].sum())
+            _add_summary(stats, counts.keys, summary)
+            return
+        task_stats = TaskStats()
+        split = {"seed": config.seed, "valid_fraction": config.valid_fraction}
+        for text in _documents_here(task, config, walk, task_stats):
+            writers[is_validation_document(text, **split)].add(encode_batch(tokenizer, [text])[0])
+            counts.documents += 1
+            counts.bytes += len(text.encode("utf-8"))
+        _add_summary(stats, counts.keys, task_stats.summary())
+
+    def _work_directory(
+        self, config: DataConfig, tokenizer: Tokenizer, tasks: list[Task], entry: Path
+    ) -> Path:
+        """``.KEY.work`` beside the cache entry, kept when it holds this plan (a resume),
+        else emptied and given it."""
+        from diffattn.data.tokenizers import tokenizer_fingerprint
+
+        work = entry.parent / f".{entry.name}.work"
+        plan = json.dumps(
+            {
+                "format": WORK_FORMAT,
+                "tokenizer": tokenizer_fingerprint(tokenizer),
+                "reading": [config.text_field, config.document_split, config.strict],
+                "split": [config.seed, config.valid_fraction],
+                "tasks": [asdict(task) for task in tasks],
+            },
+            sort_keys=True,
+        )
+        plan_file = work / "plan.json"
+        if plan_file.is_file() and plan_file.read_text(encoding="utf-8") == plan:
+            remove_partial_writes(work)
+            return work
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        tmp = work / ".plan.json.tmp"
+        tmp.write_text(plan, encoding="utf-8")
+        os.replace(tmp, plan_file)
+        return work
+
+    def published(self, entry: Path) -> None:
+        shutil.rmtree(entry.parent / f".{entry.name}.work", ignore_errors=True)
