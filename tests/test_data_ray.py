@@ -145,7 +145,7 @@ def _same_as_local(capsys, local, cache: Path) -> None:
     assert not list(cache.glob("shards/.*.work"))  # the work directory goes once published
 
 
-@pytest.mark.parametrize("workers", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("workers", [1, 2, 3])
 def test_same_shards_as_local(ray_session, corpus, local, capsys, tmp_path, workers):
     cache = tmp_path / "cache"
     argv = _flags(corpus, cache, "--engine", "ray", "--workers", str(workers))
@@ -162,7 +162,10 @@ def test_tasks_follow_files_and_row_groups(corpus):
     assert [p.first_row for p in pieces if p.kind == "row_group"] == [0, 20, 40]
     assert len(plan_tasks(config, task_bytes=1)) == len(pieces)  # one piece each
     whole = plan_tasks(config, task_bytes=1 << 40)
-    assert len(whole) == len(corpus)  # tasks never span two sources
+    # tasks never span two sources; stdlib:60000's files past 60,000 bytes are spare tasks
+    assert [(task.source, task.spare) for task in whole] == [(0, 0), (1, 0), (2, 0), (3, 0), (3, 1)]
+    assert sum(piece.size for piece in whole[3].pieces[:-1]) < 60000
+    assert sum(piece.size for piece in whole[3].pieces) >= 60000
 
 
 def test_training_sample_and_byte_cap_as_local(ray_session, corpus):

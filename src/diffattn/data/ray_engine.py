@@ -13,7 +13,8 @@ killed run leaves its finished tasks there; the next run with the same plan
 (``plan.json``) reads them instead of tokenising again, and the work directory goes once the
 entry is published. Byte caps (``max_bytes``, ``stdlib:N``) apply in input order as
 :func:`~diffattn.data.sources.iter_documents` applies them: the one task a cap cuts is read
-again on the driver, document by document.
+again on the driver (reading is cheap next to tokenising) and only its cut document encoded
+there.
 
 Ray is imported lazily (``pip install 'diffattn[ray]'``), so ``import diffattn`` never needs it.
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import itertools
 import json
 import os
 import shutil
@@ -36,19 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from diffattn.data import sources
 from diffattn.data.shards import ShardWriter, WriteResult, is_validation_document
-from diffattn.data.sources import (
-    HF_PREFIX,
-    SourceStats,
-    _Emitter,
-    _fit_utf8,
-    is_stdlib_spec,
-    iter_documents,
-    read_file,
-    read_text_file,
-    resolve_files,
-    stdlib_spec_cap,
-)
+from diffattn.data.sources import SourceStats, is_stdlib_spec, stdlib_spec_cap
 from diffattn.data.stdlib import stdlib_files
 from diffattn.data.synthetic import is_synthetic_spec
 from diffattn.data.tokenizers import Tokenizer, encode_batch
@@ -92,15 +82,17 @@ class Task:
     index: int
     source: int
     pieces: tuple[Piece, ...]
+    spare: bool = False
+    """Past a byte cap by file sizes: likely never read (see :meth:`RayEngine._windows`)."""
 
 
 def _source_pieces(spec: str, split: str) -> list[Piece]:
     if is_stdlib_spec(spec):
         return [Piece("file", str(p), p.stat().st_size) for p in stdlib_files()]
-    if is_synthetic_spec(spec) or spec.startswith(HF_PREFIX):
+    if is_synthetic_spec(spec) or spec.startswith(sources.HF_PREFIX):
         return [Piece("source", spec, 0)]
     pieces = []
-    for path in resolve_files(spec):
+    for path in sources.resolve_files(spec):
         size = path.stat().st_size
         pieces.extend(_row_group_pieces(path) or [Piece("file", str(path), size, split)])
     return pieces
@@ -125,17 +117,25 @@ def _row_group_pieces(path: Path) -> list[Piece]:
 
 def plan_tasks(config: DataConfig, task_bytes: int = DEFAULT_TASK_BYTES) -> list[Task]:
     """The tasks of ``config``'s sources in input order: consecutive pieces of one source
-    until ``task_bytes`` of input."""
+    until ``task_bytes`` of input; the pieces that start past a byte cap (``stdlib:N``,
+    ``max_bytes``) by file size are tasks of their own, ``spare``."""
     tasks: list[Task] = []
+    total = 0
     for source, spec in enumerate(config.sources):
+        cap = stdlib_spec_cap(spec) if is_stdlib_spec(spec) else None
         run: list[Piece] = []
+        used = spare = 0
         for piece in _source_pieces(spec, config.document_split):
-            if run and sum(p.size for p in run) + piece.size > task_bytes:
-                tasks.append(Task(len(tasks), source, tuple(run)))
+            past = (cap is not None and used >= cap) or (
+                config.max_bytes is not None and total >= config.max_bytes
+            )
+            if run and (past != spare or sum(p.size for p in run) + piece.size > task_bytes):
+                tasks.append(Task(len(tasks), source, tuple(run), bool(spare)))
                 run = []
             run.append(piece)
+            spare, used, total = past, used + piece.size, total + piece.size
         if run:
-            tasks.append(Task(len(tasks), source, tuple(run)))
+            tasks.append(Task(len(tasks), source, tuple(run), bool(spare)))
     return tasks
 
 
@@ -175,7 +175,7 @@ def _read_row_group(
             f"{piece.name}: no column {text_field!r} (columns: {columns}); "
             "set text_field to the column that holds the text"
         )
-    emit = _Emitter(stats, strict)
+    emit = sources._Emitter(stats, strict)
     stats.files += piece.first_row == 0  # the file counts once, at its first row group
     row = piece.first_row - 1
     holds = f"{piece.name}: column {text_field!r} holds"
@@ -191,27 +191,18 @@ def task_documents(task: Task, spec: str, config: DataConfig, stats: TaskStats) 
     """The documents of ``task`` in order (before any byte cap), counted into ``stats``."""
     text_field, strict = config.text_field, config.strict
     for piece in task.pieces:
-        piece_stats = SourceStats()
-        stats.pieces.append((f"{task.source}:{piece.name}", piece_stats))
+        read = {"stats": SourceStats(), "strict": strict}
+        stats.pieces.append((f"{task.source}:{piece.name}", read["stats"]))
         if piece.kind == "row_group":
-            yield from _read_row_group(piece, text_field, piece_stats, strict)
+            yield from _read_row_group(piece, text_field, read["stats"], strict)
         elif piece.kind == "source":
-            yield from iter_documents(
-                [spec],
-                text_field=text_field,
-                split=config.document_split,  # type: ignore[arg-type]
-                stats=piece_stats,
-                strict=strict,
-            )
+            split = config.document_split
+            yield from sources.iter_documents([spec], text_field=text_field, split=split, **read)
         elif is_stdlib_spec(spec):
-            yield from read_text_file(piece.name, stats=piece_stats, strict=strict)
+            yield from sources.read_text_file(piece.name, **read)
         else:
-            yield from read_file(
-                piece.name,
-                text_field=text_field,
-                split=piece.split,  # type: ignore[arg-type]
-                stats=piece_stats,
-                strict=strict,
+            yield from sources.read_file(
+                piece.name, text_field=text_field, split=piece.split, **read
             )
 
 
@@ -235,18 +226,14 @@ def tokenize_task(task: Task, spec: str, config: DataConfig, tokenizer: Tokenize
     texts = list(task_documents(task, spec, config, stats))
     ids = encode_batch(tokenizer, texts) if texts else []
     lengths = np.array([len(row) for row in ids], dtype=np.int64)
-    flat = np.fromiter((i for row in ids for i in row), dtype=np.uint32, count=int(lengths.sum()))
+    flat = np.concatenate([np.asarray(row, dtype=np.uint32) for row in ids] or [[]])
+    flat = flat.astype(np.uint32, copy=False)  # an empty task's too
+    split = {"seed": config.seed, "valid_fraction": config.valid_fraction}
     arrays = {
         "ids": flat,
         "lengths": lengths,
-        "sizes": np.array([len(t.encode("utf-8")) for t in texts], dtype=np.int64),
-        "valid": np.array(
-            [
-                is_validation_document(t, seed=config.seed, valid_fraction=config.valid_fraction)
-                for t in texts
-            ],
-            dtype=bool,
-        ),
+        "sizes": np.array([_size(t) for t in texts], dtype=np.int64),
+        "valid": np.array([is_validation_document(t, **split) for t in texts], dtype=bool),
     }
     return _pack(arrays, stats.summary())
 
@@ -297,7 +284,7 @@ class CapWalk:
         size = len(text.encode("utf-8"))
         cap = self.caps[source]
         if cap is not None and self.used[source] + size > cap:
-            text = _fit_utf8(text, cap - self.used[source])
+            text = sources._fit_utf8(text, cap - self.used[source])
             self.truncated = True
             self.closed.add(source)
             if not text:
@@ -306,7 +293,7 @@ class CapWalk:
         else:
             self.used[source] += size
         if self.max_bytes is not None and self.total + size > self.max_bytes:
-            text = _fit_utf8(text, self.max_bytes - self.total)
+            text = sources._fit_utf8(text, self.max_bytes - self.total)
             self.truncated = self.stopped = True
         self.total += len(text.encode("utf-8"))
         return text or None
@@ -332,6 +319,16 @@ def _documents_here(
             yield admitted
         if walk.skips(task):
             return
+
+
+def _size(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+def _document_ids(arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Each document's ids out of a task's concatenated ``ids``."""
+    lengths = arrays["lengths"]
+    return np.split(arrays["ids"], np.cumsum(lengths)[:-1]) if lengths.size else []
 
 
 def _split_texts(arrays: dict[str, np.ndarray]) -> Iterator[str]:
@@ -463,12 +460,6 @@ class RayEngine:
             self._ray.shutdown()
         self._owned = False
 
-    def __enter__(self) -> RayEngine:
-        return self.connect()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     @property
     def concurrency(self) -> int:
         """Tasks run at once: ``workers``, else the cluster's CPUs."""
@@ -506,7 +497,9 @@ class RayEngine:
 
         items = [{"task": task.index} for task in tasks]
         dataset = ray.data.from_items(items, override_num_blocks=len(items)).map(
-            run, compute=ray.data.TaskPoolStrategy(size=self.concurrency), num_cpus=1
+            run,
+            compute=ray.data.TaskPoolStrategy(size=min(self.concurrency, len(items))),
+            num_cpus=1,
         )
         for row in dataset.iter_rows():
             yield int(row["task"]), bytes(row["payload"]) or None
@@ -514,13 +507,20 @@ class RayEngine:
     def _windows(
         self, tasks: list[Task], job: Callable[[Task], bytes], skip: Callable[[Task], bool]
     ) -> Iterator[tuple[int, bytes | None]]:
-        """:meth:`_stream` over windows of consecutive tasks, each twice the last (from two
-        per worker), leaving out those ``skip`` refuses when the window starts: a reader that
-        stops early (a byte cap) wastes one window at most."""
-        queue, size = iter(tasks), 2 * self.concurrency
-        while window := [task for task in itertools.islice(queue, size) if not skip(task)]:
-            yield from self._stream(window, job)
-            size *= 2
+        """:meth:`_stream` over windows of consecutive tasks, leaving out those ``skip``
+        refuses when the window starts. Each window is twice the last of its kind: from two
+        per worker, and from one for ``spare`` tasks (never in a window with others), so a
+        reader that stops at a byte cap wastes little."""
+        sizes, start = {False: 2 * self.concurrency, True: 1}, 0
+        while start < len(tasks):
+            kind, window = tasks[start].spare, []
+            while start < len(tasks) and tasks[start].spare == kind and len(window) < sizes[kind]:
+                if not skip(tasks[start]):
+                    window.append(tasks[start])
+                start += 1
+            if window:
+                yield from self._stream(window, job)
+                sizes[kind] *= 2
 
     def _ordered(
         self,
@@ -638,22 +638,27 @@ class RayEngine:
         """One task's documents into the writers: the worker's ids when the whole task passes
         the caps, else the task read and encoded here."""
         arrays, summary = _unpack(payload) if payload is not None else (None, None)
+        worker_ids = _document_ids(arrays) if arrays is not None else []
         if arrays is not None and walk.take_whole(task.source, int(arrays["sizes"].sum())):
-            ends = np.cumsum(arrays["lengths"]).tolist()
-            ids, valid = arrays["ids"], arrays["valid"].tolist()
-            for number, end in enumerate(ends):
-                start = ends[number - 1] if number else 0
-                writers[valid[number]].add(ids[start:end])
-            counts.documents += len(ends)
+            for ids, valid in zip(worker_ids, arrays["valid"].tolist(), strict=True):
+                writers[valid].add(ids)
+            counts.documents += len(worker_ids)
             counts.bytes += int(arrays["sizes"].sum())
             _add_summary(stats, counts.keys, summary)
             return
+        # read again here (cheap next to tokenising) to cut where the caps cut; only the cut
+        # document (or, when the worker failed, every one) is encoded here
         task_stats = TaskStats()
+        texts = list(_documents_here(task, config, walk, task_stats))
+        sizes = [] if arrays is None else arrays["sizes"].tolist()
+        fresh = [i for i, text in enumerate(texts) if i >= len(sizes) or _size(text) != sizes[i]]
+        encoded = dict(zip(fresh, encode_batch(tokenizer, [texts[i] for i in fresh]), strict=True))
         split = {"seed": config.seed, "valid_fraction": config.valid_fraction}
-        for text in _documents_here(task, config, walk, task_stats):
-            writers[is_validation_document(text, **split)].add(encode_batch(tokenizer, [text])[0])
+        for number, text in enumerate(texts):
+            ids = encoded[number] if number in encoded else worker_ids[number]
+            writers[is_validation_document(text, **split)].add(ids)
             counts.documents += 1
-            counts.bytes += len(text.encode("utf-8"))
+            counts.bytes += _size(text)
         _add_summary(stats, counts.keys, task_stats.summary())
 
     def _work_directory(
