@@ -496,11 +496,11 @@ class RayEngine:
             return {"task": row["task"], "payload": payload}
 
         items = [{"task": task.index} for task in tasks]
-        dataset = ray.data.from_items(items, override_num_blocks=len(items)).map(
-            run,
-            compute=ray.data.TaskPoolStrategy(size=min(self.concurrency, len(items))),
-            num_cpus=1,
-        )
+        size = min(self.concurrency, len(items))
+        pool = getattr(ray.data, "TaskPoolStrategy", None)  # older Ray Data: concurrency=
+        limit = {"concurrency": size} if pool is None else {"compute": pool(size=size)}
+        dataset = ray.data.from_items(items, override_num_blocks=len(items))
+        dataset = dataset.map(run, num_cpus=1, **limit)
         for row in dataset.iter_rows():
             yield int(row["task"]), bytes(row["payload"]) or None
 
