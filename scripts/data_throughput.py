@@ -8,7 +8,8 @@ largest ``--workers`` (its start-up is printed, not counted), then prepares the 
 ``--rounds`` times per arm, the arms interleaved within each round (local, ray at each worker
 count), each into a fresh cache: what is timed is :func:`diffattn.data.prepare_data` reading,
 tokenising and writing the shards. Prints MB/s of UTF-8 text (median, min and max over the
-rounds) and checks that every arm wrote the same shards (the same fingerprint).
+rounds), the share of a ray run's wall time the driver spent unpacking results and writing
+shards (median), and checks that every arm wrote the same shards (the same fingerprint).
 
 A measurement, not a test; run it on a quiet machine (``uptime``: load below 1).
 """
@@ -46,7 +47,7 @@ def _tokenizer(args: argparse.Namespace, root: Path) -> str:
     return f"hf:{saved}"
 
 
-def _time_arm(args, root: Path, tokenizer: str, engine) -> tuple[float, int, str]:
+def _time_arm(args, root: Path, tokenizer: str, engine) -> tuple[float, int, str, float]:
     from diffattn.data import DataConfig, prepare_data
 
     cache = Path(tempfile.mkdtemp(dir=root))
@@ -55,7 +56,8 @@ def _time_arm(args, root: Path, tokenizer: str, engine) -> tuple[float, int, str
     prepared = prepare_data(config, progress=False, engine=engine)
     seconds = time.perf_counter() - started
     shutil.rmtree(cache)
-    return seconds, prepared.stats.text_bytes, prepared.stats.fingerprint
+    writing = 0.0 if engine is None else engine.progress["write_ms"] / 1000 / seconds
+    return seconds, prepared.stats.text_bytes, prepared.stats.fingerprint, writing
 
 
 def main() -> None:
@@ -79,21 +81,24 @@ def main() -> None:
             if engine is not None:
                 _time_arm(args, root, tokenizer, engine)
         rates: dict[str, list[float]] = {name: [] for name in arms}
+        writing: dict[str, list[float]] = {name: [] for name in arms}
         fingerprints = set()
         for _ in range(args.rounds):
             for name, engine in arms.items():
-                seconds, text_bytes, fingerprint = _time_arm(args, root, tokenizer, engine)
+                seconds, text_bytes, fingerprint, share = _time_arm(args, root, tokenizer, engine)
                 rates[name].append(text_bytes / seconds / 1e6)
+                writing[name].append(share)
                 fingerprints.add(fingerprint)
         ray.shutdown()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"sources {args.source}: {text_bytes / 1e6:.1f} MB of text, {args.rounds} rounds")
     print(f"load average before: {load:.2f}; {os.cpu_count()} CPUs")
-    print(f"{'arm':<22} {'MB/s median':>12} {'min':>8} {'max':>8}")
+    print(f"{'arm':<22} {'MB/s median':>12} {'min':>8} {'max':>8} {'driver writing':>15}")
     for name, values in rates.items():
-        median = statistics.median(values)
-        print(f"{name:<22} {median:>12.2f} {min(values):>8.2f} {max(values):>8.2f}")
+        median, share = statistics.median(values), statistics.median(writing[name])
+        shown = "" if arms[name] is None else f"{share:.1%}"
+        print(f"{name:<22} {median:>12.2f} {min(values):>8.2f} {max(values):>8.2f} {shown:>15}")
     print("same shards in every arm:", "yes" if len(fingerprints) == 1 else "NO")
 
 

@@ -428,7 +428,8 @@ class RayEngine:
         self.connect_timeout = connect_timeout
         self.progress: dict[str, int] = {}
         """What the last :meth:`write_shards` counted: tasks written (its progress bar),
-        ``resumed`` from the work directory, ``computed`` by Ray, documents and bytes."""
+        ``resumed`` from the work directory, ``computed`` by Ray, documents and bytes, and
+        ``write_ms``, the driver's time unpacking results and writing shards."""
         self._owned = False
         self._ray: Any = None
 
@@ -601,11 +602,13 @@ class RayEngine:
             )
         bar = _progress_bar(progress, len(tasks))
         self.progress = {"tasks": 0, "resumed": resumed, "computed": 0, "documents": 0, "bytes": 0}
+        self.progress["write_ms"] = 0
         with _split_writers(out, tokenizer, config.shard_tokens) as writers:
             try:
                 for task, payload in self._ordered(tasks, job, work, walk.skips):
+                    started = time.perf_counter()
                     self._write_task(task, payload, config, tokenizer, walk, writers, stats, counts)
-                    self._advance(bar, counts)
+                    self._advance(bar, counts, time.perf_counter() - started)
             finally:
                 if bar is not None:
                     bar.close()
@@ -616,10 +619,11 @@ class RayEngine:
             train, valid, *documents, train.num_tokens, valid.num_tokens, counts.bytes
         )
 
-    def _advance(self, bar: Any, counts: _Counts) -> None:
+    def _advance(self, bar: Any, counts: _Counts, seconds: float) -> None:
         self.progress.update(
             tasks=self.progress["tasks"] + 1, documents=counts.documents, bytes=counts.bytes
         )
+        self.progress["write_ms"] += round(seconds * 1000)
         if bar is not None:
             bar.set_postfix(documents=counts.documents, MB=round(counts.bytes / 1e6, 1))
             bar.update(1)
