@@ -197,6 +197,22 @@ def test_byte_cap_shards_and_stats_as_local(ray_session, corpus, tmp_path):
     assert 1 < engine.progress["tasks"] < len(plan_tasks(ours.config, TASK_BYTES))
 
 
+@pytest.mark.extra("tiktoken")
+def test_generated_source_and_tiktoken_as_local(ray_session, corpus, tmp_path):
+    """A ``synthetic:`` source (one task, read by a worker) beside files, with a tokenizer
+    that is not trained (no sample drawn; the workers load the encoding by name)."""
+    settings = {"sources": ["synthetic:recall?docs=40", corpus[0]], "valid_fraction": 0.2}
+    settings |= {"tokenizer": "tiktoken:cl100k_base", "shard_tokens": 2000}
+    local = prepare_data(DataConfig(**settings, cache_dir=str(tmp_path / "a")), progress=False)
+    engine = RayEngine(workers=2, task_bytes=TASK_BYTES).connect()
+    ours = prepare_data(
+        DataConfig(**settings, cache_dir=str(tmp_path / "b")), progress=False, engine=engine
+    )
+    assert ours.directory.name == local.directory.name
+    assert _shard_bytes(ours.directory) == _shard_bytes(local.directory)
+    assert plan_tasks(ours.config, TASK_BYTES)[0].pieces[0].kind == "source"
+
+
 def test_strict_error_is_the_local_one(ray_session, corpus, tmp_path):
     config = {"sources": corpus, "document_split": "paragraph", "strict": True}
     with pytest.raises(ValueError) as local:
