@@ -479,7 +479,7 @@ class RayEngine:
 
         import ray.data
 
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        logging.getLogger("ray.data").setLevel(logging.ERROR)  # no notes on each dataset
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False
         # Ray Data holds CPUs back for operators that a one-operator plan does not have
