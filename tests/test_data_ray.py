@@ -136,6 +136,9 @@ def _same_as_local(capsys, local, cache: Path) -> None:
     ray_entry = _entry(cache)
     assert ray_entry.name == entry.name  # the cache key train looks up
     assert _shard_bytes(ray_entry) == shards
+    # the BPE learnt from the sample drawn through Ray is the local one
+    tokenizer = "tokenizer/tokenizer.json"
+    assert (ray_entry / tokenizer).read_bytes() == (entry / tokenizer).read_bytes()
     assert _inspected(capsys, ray_entry) == _inspected(capsys, entry)
     ours = json.loads((ray_entry / "prepared.json").read_text())["stats"]
     theirs = json.loads((entry / "prepared.json").read_text())["stats"]
