@@ -71,12 +71,15 @@ def check_harness_arguments(kwargs: dict[str, Any]) -> None:
 
 class CausalLMView(nn.Module):
     """A diffattn model with the few attributes the harness reads from a Hugging Face one
-    (``config.model_type``, ``device``, ``tie_weights``); calls go to the model."""
+    (``config.model_type``, ``device``, ``tie_weights``, ``generate``); calls go to the
+    model."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, eos_token_id: int | None = None) -> None:
         super().__init__()
         self.inner = model
         self.config = model.config
+        self.eos_token_id = eos_token_id
+        self.hf_model: nn.Module | None = None
 
     @property
     def device(self) -> torch.device:
@@ -87,6 +90,19 @@ class CausalLMView(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
         return self.inner(input_ids=input_ids, **kwargs)
+
+    def generate(self, **kwargs: Any) -> torch.Tensor:
+        """Hugging Face's ``generate`` (the harness's ``generate_until``: left-padded batches,
+        its stop-string criteria), run by :class:`~diffattn.hf.modeling.DiffAttnForCausalLM`
+        around the same weights. A row ends at ``eos_token_id`` (the tokenizer's), as a
+        Hugging Face model's generation config ends it: the harness decodes without special
+        tokens, so a row that went on past EOS would keep what followed it."""
+        if self.hf_model is None:
+            from diffattn.hf.modeling import DiffAttnForCausalLM
+
+            self.hf_model = DiffAttnForCausalLM.from_diffattn(self.inner).eval()
+            self.hf_model.generation_config.eos_token_id = self.eos_token_id
+        return self.hf_model.generate(**kwargs)
 
 
 @register_model(MODEL_NAME)
@@ -114,7 +130,11 @@ class DiffattnLM(HFLM):
                 f"{pretrained}: the harness needs a Hugging Face tokenizer stored with the "
                 "model (tokenizer.json or tokenizer_config.json) and transformers installed"
             )
-        model = loaded.model if loaded.kind != "diffattn" else CausalLMView(loaded.model)
+        model = (
+            loaded.model
+            if loaded.kind != "diffattn"
+            else CausalLMView(loaded.model, loaded.tokenizer.eos_token_id)
+        )
         self.diffattn_model = loaded
         super().__init__(
             pretrained=model,
