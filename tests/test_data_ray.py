@@ -162,7 +162,14 @@ def test_tasks_follow_files_and_row_groups(corpus):
     config = DataConfig(sources=corpus, document_split="paragraph")
     pieces = [p for task in plan_tasks(config, task_bytes=1) for p in task.pieces]
     assert [p.row_group for p in pieces if p.kind == "row_group"] == [0, 1, 2]
-    assert [p.first_row for p in pieces if p.kind == "row_group"] == [0, 20, 40]
+    assert [p.start for p in pieces if p.kind == "row_group"] == [0, 20, 40]
+    # a JSON lines file larger than a task: byte ranges of whole lines, one task each
+    ranges = [
+        p for task in plan_tasks(config, TASK_BYTES) for p in task.pieces if p.kind == "lines"
+    ]
+    size = Path(corpus[2]).stat().st_size
+    assert [p.start for p in ranges] == list(range(0, size, TASK_BYTES)) and len(ranges) > 1
+    assert sum(p.size for p in ranges) == size
     assert len(plan_tasks(config, task_bytes=1)) == len(pieces)  # one piece each
     whole = plan_tasks(config, task_bytes=1 << 40)
     # tasks never span two sources; stdlib:60000's files past 60,000 bytes are spare tasks
@@ -226,6 +233,24 @@ def test_strict_error_is_the_local_one(ray_session, corpus, tmp_path):
     assert "t05b.txt: byte 4" in str(local.value)
     assert str(ours.value) == str(local.value)
     assert not (tmp_path / "b" / "shards").exists()
+
+
+def test_bad_line_in_a_later_range_is_the_local_error(ray_session, tmp_path):
+    """A JSON lines file read in byte ranges: the bad line's number is counted from the
+    start of the file, as the local reader counts it."""
+    lines = [json.dumps({"text": f"line {i} " + "word " * 40}) for i in range(60)]
+    lines[47] = '{"text": "cut off'
+    path = tmp_path / "notes.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    config = {"sources": [str(path)], "tokenizer": "bpe:300"}
+    with pytest.raises(ValueError) as local:
+        prepare_data(DataConfig(**config, cache_dir=str(tmp_path / "a")), progress=False)
+    engine = RayEngine(workers=2, task_bytes=TASK_BYTES).connect()
+    assert len(plan_tasks(DataConfig(**config), TASK_BYTES)) > 2
+    with pytest.raises(ValueError) as ours:
+        prepare_data(DataConfig(**config, cache_dir=str(tmp_path / "b")), engine=engine)
+    assert f"{path}:48: not valid JSON" in str(local.value)
+    assert str(ours.value) == str(local.value)
 
 
 def test_resume_reads_committed_tasks(ray_session, corpus, local, capsys, tmp_path, monkeypatch):

@@ -1,20 +1,16 @@
 """``diffattn data prepare --engine ray``: read and tokenise the documents on Ray Data.
 
 The input becomes *tasks*: runs of consecutive files of one source (about ``task_bytes`` of
-input each), a Parquet file with several row groups one task per row group, an ``hf:`` or
-``synthetic:`` source one task. Ray Data runs the tasks on ``workers`` processes (an embedded
-local Ray, or the cluster at ``address``); each returns its documents' token ids, UTF-8 sizes,
-splits (:func:`~diffattn.data.shards.is_validation_document`) and reading statistics. Ray
-returns them out of order; the driver commits each one atomically to a work directory beside
-the cache entry (``CACHE/shards/.KEY.work/task-NNNNNN/``) and writes the shards itself, in input
-order, through the same :class:`~diffattn.data.shards.ShardWriter`: the shard files, the
-fingerprint and the cache key are those of the local path whatever the number of workers. A
-killed run leaves its finished tasks there; the next run with the same plan
-(``plan.json``) reads them instead of tokenising again, and the work directory goes once the
-entry is published. Byte caps (``max_bytes``, ``stdlib:N``) apply in input order as
-:func:`~diffattn.data.sources.iter_documents` applies them: the one task a cap cuts is read
-again on the driver (reading is cheap next to tokenising) and only its cut document encoded
-there.
+input each; a Parquet file with several row groups one per group, a larger JSON lines file one
+per byte range of whole lines, an ``hf:`` or ``synthetic:`` source one). Ray Data runs them on
+``workers`` processes (an embedded local Ray, or the cluster at ``address``); each returns its
+documents' ids, UTF-8 sizes, splits and reading counts. The driver commits each result
+atomically beside the cache entry (``CACHE/shards/.KEY.work/task-NNNNNN/``) and writes the
+shards itself, in input order, with the local path's :class:`~diffattn.data.shards.ShardWriter`:
+the shards, fingerprint and cache key are the local path's whatever the number of workers. A
+re-run of the same plan (``plan.json``) after a kill reads the committed tasks; the work
+directory goes once the entry is published. Byte caps apply as the local path applies them
+(:class:`CapWalk`).
 
 Ray is imported lazily (``pip install 'diffattn[ray]'``), so ``import diffattn`` never needs it.
 """
@@ -28,6 +24,7 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -58,21 +55,21 @@ SPLIT_NAMES = {False: "train", True: "valid"}
 _COUNTERS = ("files", "replaced_documents", "replaced_bytes", "binary_documents", "binary_bytes")
 
 
-# --------------------------------------------------------------------------------------------
-# the plan: pieces of input gathered into tasks
-# --------------------------------------------------------------------------------------------
+# -- the plan: pieces of input gathered into tasks ----------------------------------------------
 @dataclass(frozen=True)
 class Piece:
     """One readable part of a source: a whole file, one Parquet row group, or the source."""
 
     kind: str
-    """``file``, ``row_group`` or ``source`` (``hf:``/``synthetic:``, read whole)."""
+    """``file``, ``row_group``, ``lines`` (JSON lines starting in a byte range) or ``source``
+    (``hf:``/``synthetic:``, read whole)."""
     name: str
     """The file's path, or the spec of a ``source`` piece."""
     size: int
     split: str = "file"
     row_group: int = 0
-    first_row: int = 0
+    start: int = 0
+    """The first row of a ``row_group`` piece, the first byte of a ``lines`` piece."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +83,7 @@ class Task:
     """Past a byte cap by file sizes: likely never read (see :meth:`RayEngine._windows`)."""
 
 
-def _source_pieces(spec: str, split: str) -> list[Piece]:
+def _source_pieces(spec: str, split: str, task_bytes: int) -> list[Piece]:
     if is_stdlib_spec(spec):
         return [Piece("file", str(p), p.stat().st_size) for p in stdlib_files()]
     if is_synthetic_spec(spec) or spec.startswith(sources.HF_PREFIX):
@@ -94,8 +91,17 @@ def _source_pieces(spec: str, split: str) -> list[Piece]:
     pieces = []
     for path in sources.resolve_files(spec):
         size = path.stat().st_size
-        pieces.extend(_row_group_pieces(path) or [Piece("file", str(path), size, split)])
+        whole = [Piece("file", str(path), size, split)]
+        pieces.extend(_row_group_pieces(path) or _line_ranges(path, size, task_bytes) or whole)
     return pieces
+
+
+def _line_ranges(path: Path, size: int, task_bytes: int) -> list[Piece]:
+    """A JSON lines file (not gzipped) larger than ``task_bytes`` in ranges of that size."""
+    if not path.name.lower().endswith(".jsonl") or size <= task_bytes:
+        return []
+    ends = range(0, size, task_bytes)
+    return [Piece("lines", str(path), min(task_bytes, size - at), start=at) for at in ends]
 
 
 def _row_group_pieces(path: Path) -> list[Piece]:
@@ -125,7 +131,7 @@ def plan_tasks(config: DataConfig, task_bytes: int = DEFAULT_TASK_BYTES) -> list
         cap = stdlib_spec_cap(spec) if is_stdlib_spec(spec) else None
         run: list[Piece] = []
         used = spare = 0
-        for piece in _source_pieces(spec, config.document_split):
+        for piece in _source_pieces(spec, config.document_split, task_bytes):
             past = (cap is not None and used >= cap) or (
                 config.max_bytes is not None and total >= config.max_bytes
             )
@@ -139,9 +145,7 @@ def plan_tasks(config: DataConfig, task_bytes: int = DEFAULT_TASK_BYTES) -> list
     return tasks
 
 
-# --------------------------------------------------------------------------------------------
-# reading one task (on a worker, or on the driver for the task a cap cuts)
-# --------------------------------------------------------------------------------------------
+# -- reading one task (on a worker, or on the driver for the task a cap cuts) -------------------
 @dataclass
 class TaskStats:
     """Reading statistics of a task, per piece, so that files split over pieces (row groups)
@@ -176,8 +180,8 @@ def _read_row_group(
             "set text_field to the column that holds the text"
         )
     emit = sources._Emitter(stats, strict)
-    stats.files += piece.first_row == 0  # the file counts once, at its first row group
-    row = piece.first_row - 1
+    stats.files += piece.start == 0  # the file counts once, at its first row group
+    row = piece.start - 1
     holds = f"{piece.name}: column {text_field!r} holds"
     for batch in parquet.iter_batches(row_groups=[piece.row_group], columns=[text_field]):
         for value in batch.column(0).to_pylist():
@@ -187,14 +191,38 @@ def _read_row_group(
                 yield document
 
 
+def _read_line_range(
+    piece: Piece, text_field: str, stats: SourceStats, strict: bool
+) -> Iterator[str]:
+    """The documents of the JSON lines that start in ``piece``'s byte range, read as
+    ``read_jsonl_file`` reads the file (from a copy of the range). Its first error is the first
+    of the file (the ranges before were read), raised as the whole file's reading raises it."""
+    with open(piece.name, "rb") as handle, tempfile.NamedTemporaryFile(suffix=".jsonl") as copy:
+        if piece.start:
+            handle.seek(piece.start - 1)
+            handle.readline()  # the end of the line before the range
+        while handle.tell() < piece.start + piece.size and (line := handle.readline()):
+            copy.write(line)
+        copy.flush()
+        stats.files -= piece.start > 0  # the file counts once, at its first range
+        read = {"text_field": text_field, "strict": strict}
+        try:
+            yield from sources.read_jsonl_file(copy.name, stats=stats, **read)
+        except ValueError:
+            for _ in sources.read_jsonl_file(piece.name, **read):
+                pass
+            raise
+
+
 def task_documents(task: Task, spec: str, config: DataConfig, stats: TaskStats) -> Iterator[str]:
     """The documents of ``task`` in order (before any byte cap), counted into ``stats``."""
     text_field, strict = config.text_field, config.strict
     for piece in task.pieces:
         read = {"stats": SourceStats(), "strict": strict}
         stats.pieces.append((f"{task.source}:{piece.name}", read["stats"]))
-        if piece.kind == "row_group":
-            yield from _read_row_group(piece, text_field, read["stats"], strict)
+        if piece.kind in ("row_group", "lines"):
+            reader = _read_row_group if piece.kind == "row_group" else _read_line_range
+            yield from reader(piece, text_field, read["stats"], strict)
         elif piece.kind == "source":
             split = config.document_split
             yield from sources.iter_documents([spec], text_field=text_field, split=split, **read)
@@ -248,9 +276,7 @@ def read_task(task: Task, spec: str, config: DataConfig) -> bytes:
     return _pack(arrays, {})
 
 
-# --------------------------------------------------------------------------------------------
-# byte caps, applied in input order as iter_documents applies them
-# --------------------------------------------------------------------------------------------
+# -- byte caps, applied in input order as iter_documents applies them ---------------------------
 class CapWalk:
     """The ``stdlib:N`` source caps and ``max_bytes``, over documents met in input order."""
 
@@ -332,33 +358,27 @@ def _document_ids(arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
 
 
 def _split_texts(arrays: dict[str, np.ndarray]) -> Iterator[str]:
-    data = arrays["text"].tobytes()
-    start = 0
-    for size in arrays["sizes"].tolist():
-        yield data[start : start + size].decode("utf-8")
-        start += size
+    data, ends = arrays["text"].tobytes(), np.cumsum(arrays["sizes"]).tolist()
+    return (data[a:b].decode("utf-8") for a, b in zip([0, *ends][:-1], ends, strict=True))
 
 
 @dataclass
-class _Counts:
+class _Writing:
+    """What the driver carries from task to task while it writes the shards."""
+
+    walk: CapWalk
+    writers: dict[bool, ShardWriter]
+    stats: SourceStats
     documents: int = 0
     bytes: int = 0
     keys: dict[str, set[str]] = field(default_factory=lambda: {"replaced": set(), "binary": set()})
 
 
 def _progress_bar(enabled: bool, total: int) -> Any:
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm comes with the train extra
-        return None
-    return tqdm(
-        total=total,
-        unit="task",
-        desc="tokenising (ray)",
-        disable=None if sys.stderr.isatty() else True,
-    )
+    from tqdm import tqdm  # the train extra's, as the local path's bar
+
+    shown = enabled and sys.stderr.isatty()
+    return tqdm(total=total, unit="task", desc="tokenising (ray)", disable=not shown)
 
 
 @contextlib.contextmanager
@@ -376,9 +396,7 @@ def _split_writers(out: Path, tokenizer: Tokenizer, shard_tokens: int) -> Iterat
         raise
 
 
-# --------------------------------------------------------------------------------------------
-# the engine
-# --------------------------------------------------------------------------------------------
+# -- the engine ---------------------------------------------------------------------------------
 def import_ray() -> Any:
     """The ``ray`` module with Ray Data; without it one ``ValueError`` naming the extra."""
     try:
@@ -592,68 +610,57 @@ class RayEngine:
         def job(task: Task) -> bytes:
             return tokenize_task(task, config.sources[task.source], config, tokenizer)
 
-        walk, counts = CapWalk(config), _Counts()
         resumed = sum(1 for _ in work.glob(f"task-*/{RESULT}"))
         if resumed and progress:
-            print(
-                f"diffattn data: resuming: {resumed} of {len(tasks)} task(s) done in {work}",
-                file=sys.stderr,
-                flush=True,
-            )
+            notice = f"diffattn data: resuming: {resumed} of {len(tasks)} task(s) done in {work}"
+            print(notice, file=sys.stderr, flush=True)
         bar = _progress_bar(progress, len(tasks))
         self.progress = {"tasks": 0, "resumed": resumed, "computed": 0, "documents": 0, "bytes": 0}
         self.progress["write_ms"] = 0
         with _split_writers(out, tokenizer, config.shard_tokens) as writers:
+            state = _Writing(CapWalk(config), writers, stats)
             try:
-                for task, payload in self._ordered(tasks, job, work, walk.skips):
+                for task, payload in self._ordered(tasks, job, work, state.walk.skips):
                     started = time.perf_counter()
-                    self._write_task(task, payload, config, tokenizer, walk, writers, stats, counts)
-                    self._advance(bar, counts, time.perf_counter() - started)
+                    self._write_task(task, payload, config, tokenizer, state)
+                    self._advance(bar, state, time.perf_counter() - started)
             finally:
-                if bar is not None:
-                    bar.close()
+                bar.close()
             train, valid = (writers[split].close() for split in (False, True))
-        stats.truncated = walk.truncated
-        documents = (counts.documents, train.num_documents, valid.num_documents)
+        stats.truncated = state.walk.truncated
+        documents = (state.documents, train.num_documents, valid.num_documents)
         return WriteResult(
-            train, valid, *documents, train.num_tokens, valid.num_tokens, counts.bytes
+            train, valid, *documents, train.num_tokens, valid.num_tokens, state.bytes
         )
 
-    def _advance(self, bar: Any, counts: _Counts, seconds: float) -> None:
+    def _advance(self, bar: Any, state: _Writing, seconds: float) -> None:
         self.progress.update(
-            tasks=self.progress["tasks"] + 1, documents=counts.documents, bytes=counts.bytes
+            tasks=self.progress["tasks"] + 1, documents=state.documents, bytes=state.bytes
         )
         self.progress["write_ms"] += round(seconds * 1000)
-        if bar is not None:
-            bar.set_postfix(documents=counts.documents, MB=round(counts.bytes / 1e6, 1))
-            bar.update(1)
+        bar.set_postfix(documents=state.documents, MB=round(state.bytes / 1e6, 1))
+        bar.update(1)
 
     @staticmethod
     def _write_task(
-        task: Task,
-        payload: bytes | None,
-        config: DataConfig,
-        tokenizer: Tokenizer,
-        walk: CapWalk,
-        writers: dict[bool, ShardWriter],
-        stats: SourceStats,
-        counts: _Counts,
+        task: Task, payload: bytes | None, config: DataConfig, tokenizer: Tokenizer, state: _Writing
     ) -> None:
         """One task's documents into the writers: the worker's ids when the whole task passes
         the caps, else the task read and encoded here."""
         arrays, summary = _unpack(payload) if payload is not None else (None, None)
         worker_ids = _document_ids(arrays) if arrays is not None else []
-        if arrays is not None and walk.take_whole(task.source, int(arrays["sizes"].sum())):
+        writers, size = state.writers, 0 if arrays is None else int(arrays["sizes"].sum())
+        if arrays is not None and state.walk.take_whole(task.source, size):
             for ids, valid in zip(worker_ids, arrays["valid"].tolist(), strict=True):
                 writers[valid].add(ids)
-            counts.documents += len(worker_ids)
-            counts.bytes += int(arrays["sizes"].sum())
-            _add_summary(stats, counts.keys, summary)
+            state.documents += len(worker_ids)
+            state.bytes += size
+            _add_summary(state.stats, state.keys, summary)
             return
         # read again here (cheap next to tokenising) to cut where the caps cut; only the cut
         # document (or, when the worker failed, every one) is encoded here
         task_stats = TaskStats()
-        texts = list(_documents_here(task, config, walk, task_stats))
+        texts = list(_documents_here(task, config, state.walk, task_stats))
         sizes = [] if arrays is None else arrays["sizes"].tolist()
         fresh = [i for i, text in enumerate(texts) if i >= len(sizes) or _size(text) != sizes[i]]
         encoded = dict(zip(fresh, encode_batch(tokenizer, [texts[i] for i in fresh]), strict=True))
@@ -661,9 +668,9 @@ class RayEngine:
         for number, text in enumerate(texts):
             ids = encoded[number] if number in encoded else worker_ids[number]
             writers[is_validation_document(text, **split)].add(ids)
-            counts.documents += 1
-            counts.bytes += _size(text)
-        _add_summary(stats, counts.keys, task_stats.summary())
+            state.documents += 1
+            state.bytes += _size(text)
+        _add_summary(state.stats, state.keys, task_stats.summary())
 
     def _work_directory(
         self, config: DataConfig, tokenizer: Tokenizer, tasks: list[Task], entry: Path
@@ -673,16 +680,10 @@ class RayEngine:
         from diffattn.data.tokenizers import tokenizer_fingerprint
 
         work = entry.parent / f".{entry.name}.work"
-        plan = json.dumps(
-            {
-                "format": WORK_FORMAT,
-                "tokenizer": tokenizer_fingerprint(tokenizer),
-                "reading": [config.text_field, config.document_split, config.strict],
-                "split": [config.seed, config.valid_fraction],
-                "tasks": [asdict(task) for task in tasks],
-            },
-            sort_keys=True,
-        )
+        reading = [config.text_field, config.document_split, config.strict]
+        fields = {"format": WORK_FORMAT, "tokenizer": tokenizer_fingerprint(tokenizer)}
+        fields |= {"reading": reading, "split": [config.seed, config.valid_fraction]}
+        plan = json.dumps({**fields, "tasks": [asdict(task) for task in tasks]}, sort_keys=True)
         plan_file = work / "plan.json"
         if plan_file.is_file() and plan_file.read_text(encoding="utf-8") == plan:
             remove_partial_writes(work)
