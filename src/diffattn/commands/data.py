@@ -3,8 +3,9 @@
 ``prepare`` runs what ``diffattn train`` runs before its first step
 (:func:`diffattn.data.prepare_data`, with the same cache key), from a recipe's ``data:``
 section (``--set data.x=...`` as train takes it) or from flags, so a later ``diffattn train``
-of the same recipe finds the shards. ``inspect`` shows what a preparation or a shard set holds
-(:mod:`diffattn.data.inspection`). See ``docs/data.md``.
+of the same recipe finds the shards; ``--engine ray`` tokenises on Ray Data
+(:mod:`diffattn.data.ray_engine`: the same shards and key). ``inspect`` shows what a
+preparation or a shard set holds (:mod:`diffattn.data.inspection`). See ``docs/data.md``.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class PrepareSettings(Settings):
     task_bytes: int | None = setting(
         None,
         min=1,
-        help="--engine ray: input bytes per task (default 4 MiB; a larger file is one task, a "
-        "Parquet file with row groups one task per group)",
+        help="--engine ray: input bytes per task (default 4 MiB; a larger file is one task, "
+        "a Parquet file one per row group, a JSON lines file one per range of this size)",
     )
     progress: bool = progress_switch("no progress bar or notices")
 
