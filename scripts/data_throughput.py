@@ -71,7 +71,8 @@ def main() -> None:
     try:
         tokenizer = _tokenizer(args, root)
         started = time.perf_counter()
-        ray.init(num_cpus=max(args.workers), include_dashboard=False, log_to_driver=False)
+        cpus = max(args.workers)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         print(f"ray start-up: {time.perf_counter() - started:.1f} s (not counted)")
         arms = {"local": None}
         for workers in args.workers:

@@ -3,9 +3,11 @@ path at 1, 2 and 3 workers, the same BPE training sample, byte caps cut where th
 cuts, a resume after ``kill -9``, the progress counts, and bad input (one line, exit code 2,
 nothing written).
 
-One local Ray (3 CPUs) serves the whole module. The ``kill -9`` test slows each task with
-``DIFFATTN_RAY_TASK_DELAY`` (seconds a task sleeps before it returns, read by
-``diffattn.data.ray_engine``) so that the driver dies with some tasks committed and some not.
+One local Ray (3 CPUs) serves the whole module; the bad-input tests that need no Ray run
+without it (``--engine ray`` without Ray installed is refused with the extra's name). The
+``kill -9`` test slows each task with ``DIFFATTN_RAY_TASK_DELAY`` (seconds a task sleeps before
+it returns, read by ``diffattn.data.ray_engine``) so that the driver dies with some tasks
+committed and some not.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import pytest
 from diffattn.cli import main
 from extras import require_extra
 
-pytestmark = require_extra("ray", "train", "parquet")
+pytestmark = require_extra("train", "parquet")  # and "ray", where Ray runs
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -42,9 +44,10 @@ WORDS = ["river", "copper", "needle", "tunnel", "dolphin", "garlic", "valley", "
 
 @pytest.fixture(scope="module")
 def ray_session():
+    require_extra("ray")  # skips the tests that run Ray where it is not installed
     import ray
 
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
@@ -335,6 +338,7 @@ def _one_error(capsys, argv: list[str], *named: str) -> None:
         assert text in lines[0], lines[0]
 
 
+@pytest.mark.extra("ray")
 def test_unreachable_address(corpus, capsys, tmp_path):
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))

@@ -468,8 +468,8 @@ class RayEngine:
                 message = str(error).strip().splitlines()[0] if str(error).strip() else ""
                 raise ValueError(f"--address {self.address}: cannot join: {message}") from None
         else:
-            cpus = self.workers or os.cpu_count() or 1
-            ray.init(num_cpus=cpus, include_dashboard=False, **quiet)
+            cpus = self.workers or os.cpu_count() or 1  # "local": never a cluster found running
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, **quiet)
         self._owned = True
         return self
 
