@@ -88,7 +88,7 @@ def test_engine_is_taken_out_of_the_harness_arguments():
         "vllm",
         ["run", "--tasks", "x"],
     )
-    assert harness_argv(["--tasks", "x"], "vllm") == ["run", "--model", "vllm", "--tasks", "x"]
+    assert harness_argv(["--tasks", "x"], "vllm") == ["run", "--tasks", "x"]
     assert harness_argv(["--model", "vllm"], "vllm") == ["run", "--model", "vllm"]
 
 
@@ -361,4 +361,32 @@ def test_vllm_engine_refuses_in_one_line(
     err = capsys.readouterr().err
     expected = message.format(dint_reason=attention_type("dint").vllm_reason)
     assert err.startswith(f"diffattn lm-eval: error: {expected}"), err
+    assert err.count("\n") == 1, err
+
+
+@require_vllm()
+@pytest.mark.vllm
+@pytest.mark.extra("hf", "lm-eval")
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("model: hf\n", "--engine vllm runs the harness's vllm model; --model hf is not it"),
+        ("model_args: pretrained={dint}\n", "vLLM cannot serve attention type 'dint'"),
+        (None, "--config: Config file not found"),
+    ],
+)
+def test_vllm_engine_reads_the_model_of_a_config_file(
+    workspace, config, message, tmp_path, capsys, monkeypatch
+):
+    from diffattn.cli import main
+
+    models, tasks = workspace
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+    path = tmp_path / "config.yaml"
+    if config is not None:
+        path.write_text(config.format(dint=models["dint"]))
+    arguments = ["--engine", "vllm", "--config", str(path), "--tasks", "local_arc"]
+    assert main(["lm-eval", *arguments, "--include_path", str(tasks)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"diffattn lm-eval: error: {message}"), err
     assert err.count("\n") == 1, err

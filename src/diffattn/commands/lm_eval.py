@@ -38,8 +38,6 @@ PARSER_OPTIONS = {"prefix_chars": "+", "add_help": False}
 which :func:`split_engine` takes out first: this verb's parser recognises no option of its
 own."""
 DEFAULT_ENGINE = "hf"
-HARNESS_MODELS = {"hf": "diffattn", "vllm": "vllm"}
-"""The harness model each engine runs when no ``--model`` is given."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,22 +88,23 @@ def split_engine(arguments: Sequence[str]) -> tuple[str, list[str]]:
 
 
 def harness_argv(arguments: Sequence[str], engine: str = DEFAULT_ENGINE) -> list[str]:
-    """The harness's command line: ``run`` unless another subcommand is named, the engine's
-    model (``--model diffattn`` for ``hf``, ``--model vllm`` for ``vllm``) unless a model is
-    named and, for ``hf``, ``--device auto`` (CUDA when available, else the CPU; the harness's
-    own default is ``cuda:0``) unless a device is named."""
+    """The harness's command line: ``run`` unless another subcommand is named and, for the
+    ``hf`` engine, ``--model diffattn`` unless a model is named and ``--device auto`` (CUDA
+    when available, else the CPU; the harness's own default is ``cuda:0``) unless a device is
+    named. (The ``vllm`` engine's model is set once the command line is parsed, where a
+    ``--config`` file's is known too: :func:`diffattn.eval.harness_vllm.prepare_run`.)"""
     argv = list(arguments)
     if not argv or argv[0] not in SUBCOMMANDS:
         argv.insert(0, "run")
-    if argv[0] != "run" or {"-h", "--help"} & set(argv):
+    if argv[0] != "run" or {"-h", "--help"} & set(argv) or engine != "hf":
         return argv
 
     def named(option: str) -> bool:
         return any(a == option or a.startswith(f"{option}=") for a in argv)
 
     if not named("--model"):
-        argv[1:1] = ["--model", HARNESS_MODELS[engine]]
-    if engine == "hf" and not named("--device"):
+        argv[1:1] = ["--model", "diffattn"]
+    if not named("--device"):
         argv[1:1] = ["--device", "auto"]
     return argv
 

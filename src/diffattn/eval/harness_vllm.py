@@ -130,7 +130,10 @@ def prepare_run(namespace: argparse.Namespace) -> None:
     if getattr(namespace, "config", None):
         from lm_eval.config.evaluate_config import EvaluatorConfig
 
-        from_file = EvaluatorConfig.load_yaml_config(namespace.config)
+        try:
+            from_file = EvaluatorConfig.load_yaml_config(namespace.config)
+        except (OSError, TypeError) as error:
+            raise ValueError(f"--config: {error}") from None
         model = model or from_file.get("model")
         model_args = model_args or from_file.get("model_args")
     if model is not None and model != HARNESS_MODEL:
