@@ -11,6 +11,23 @@ from extras import skip_reason
 from helpers import ATTENTIONS, tiny_diffattn, tiny_hf
 
 
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist, each worker's torch gets its share of the cores (at least one
+    thread) instead of all of them. With two workers on two cores, two threads each meant four
+    OpenMP threads spinning on two cores: a tiny model's 200 training steps took 181 s instead
+    of 11 s while the other worker ran (tests/test_model.py's overfitting test, measured on
+    this project's 2-core machine). Tests that need more threads set them themselves."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        share = max(1, (cores or 1) // workers)
+        if torch.get_num_threads() > share:
+            torch.set_num_threads(share)
+
+
+_share_the_cores_between_workers()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
