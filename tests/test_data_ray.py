@@ -192,9 +192,8 @@ def test_training_sample_and_byte_cap_as_local(ray_session, corpus):
     assert sum(len(t.encode()) for t in local_documents) == 9000
 
 
-def test_byte_cap_shards_and_stats_as_local(ray_session, corpus, tmp_path):
-    settings = {"sources": corpus, "document_split": "paragraph", "tokenizer": "bpe:300"}
-    settings |= {"max_bytes": 20000, "valid_fraction": 0.3}
+def _local_and_ray(settings: dict, tmp_path: Path):
+    """``settings`` prepared locally and on Ray (2 workers): the same key and shard files."""
     local = prepare_data(DataConfig(**settings, cache_dir=str(tmp_path / "a")), progress=False)
     engine = RayEngine(workers=2, task_bytes=TASK_BYTES).connect()
     ours = prepare_data(
@@ -202,6 +201,13 @@ def test_byte_cap_shards_and_stats_as_local(ray_session, corpus, tmp_path):
     )
     assert ours.directory.name == local.directory.name
     assert _shard_bytes(ours.directory) == _shard_bytes(local.directory)
+    return local, ours, engine
+
+
+def test_byte_cap_shards_and_stats_as_local(ray_session, corpus, tmp_path):
+    settings = {"sources": corpus, "document_split": "paragraph", "tokenizer": "bpe:300"}
+    settings |= {"max_bytes": 20000, "valid_fraction": 0.3}
+    local, ours, engine = _local_and_ray(settings, tmp_path)
     assert {**ours.stats.to_dict(), "seconds": 0} == {**local.stats.to_dict(), "seconds": 0}
     assert local.stats.truncated and local.stats.text_bytes == 20000
     # the progress counts: every task read, every document and byte written
@@ -216,13 +222,7 @@ def test_generated_source_and_tiktoken_as_local(ray_session, corpus, tmp_path):
     that is not trained (no sample drawn; the workers load the encoding by name)."""
     settings = {"sources": ["synthetic:recall?docs=40", corpus[0]], "valid_fraction": 0.2}
     settings |= {"tokenizer": "tiktoken:cl100k_base", "shard_tokens": 2000}
-    local = prepare_data(DataConfig(**settings, cache_dir=str(tmp_path / "a")), progress=False)
-    engine = RayEngine(workers=2, task_bytes=TASK_BYTES).connect()
-    ours = prepare_data(
-        DataConfig(**settings, cache_dir=str(tmp_path / "b")), progress=False, engine=engine
-    )
-    assert ours.directory.name == local.directory.name
-    assert _shard_bytes(ours.directory) == _shard_bytes(local.directory)
+    _, ours, _ = _local_and_ray(settings, tmp_path)
     assert plan_tasks(ours.config, TASK_BYTES)[0].pieces[0].kind == "source"
 
 
