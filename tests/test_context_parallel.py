@@ -172,10 +172,13 @@ def _worst_relative(reference: list[dict], got: list[dict]) -> float:
     return max(abs(a[k] - b[k]) / abs(a[k]) for a, b in pairs for k in keys if k in a)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("parallel", "nproc", "checkpointing", "tp"),
-    [("ddp", 2, "full", 1), ("fsdp", 4, "selective", 1), ("fsdp", 4, "none", 2)],
+    [
+        pytest.param("ddp", 2, "full", 1, marks=pytest.mark.slow),
+        ("fsdp", 4, "selective", 1),  # CP x FSDP2 on 4 processes: in the default suite
+        pytest.param("fsdp", 4, "none", 2, marks=pytest.mark.slow),
+    ],
 )
 def test_cp_training_equals_one_process(tmp_path, data_cache, parallel, nproc, checkpointing, tp):
     """cp: 2 alone (DDP over the two ranks of one row), with FSDP2 over 2 data-parallel x
@@ -220,12 +223,13 @@ def _launch(tmp_path, recipe: dict, nproc: int, out, *args: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("first", "then"),
     [
-        (("ddp", 2, 2), ("none", 1, 1)),  # cp 2 (full checkpoint) -> one process
-        (("fsdp", 2, 4), ("fsdp", 1, 2)),  # FSDP2 x cp 2 (sharded) -> FSDP2 alone
+        # cp 2 (full checkpoint) -> one process
+        pytest.param(("ddp", 2, 2), ("none", 1, 1), marks=pytest.mark.slow),
+        # FSDP2 x cp 2 (sharded) -> FSDP2 alone: in the default suite
+        (("fsdp", 2, 4), ("fsdp", 1, 2)),
     ],
 )
 def test_a_run_resumes_under_another_cp_degree_and_continues_exactly(
