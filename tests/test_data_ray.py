@@ -288,7 +288,6 @@ def test_resume_reads_committed_tasks(ray_session, corpus, local, capsys, tmp_pa
     _same_as_local(capsys, local, cache)
 
 
-@pytest.mark.slow
 def test_kill_9_then_resume(ray_session, corpus, local, capsys, tmp_path):
     cache = tmp_path / "cache"
     # the tokenizer the local path trained (the same: test_same_shards_as_local), so that the
