@@ -13,7 +13,8 @@ final map sum to 1) and from the one public implementation found (a non-causal t
 * (D4) integral / global-importance term: row i of ``G`` is the mean of the rows of A1 over a
   set of query rows ``R(i)``: ``G[i, :] = (1/|R(i)|) Σ_{m ∈ R(i)} A1[m, :]`` — a column mean
   of the attention map, i.e. how much attention each key receives on average. Without a mask
-  ``R(i)`` is every row and G is one vector repeated N times (the paper's form).
+  ``R(i)`` is every row and G is one vector repeated N times (the form of the one public,
+  non-causal implementation, by a third party; the paper's own form could not be read).
 * (D5) ``DINT(X) = (A1 − λ A2 + γ G) V`` with the unified parameter ``γ = λ``.
 * (D6) row normalisation: rows of A1, A2 and G each sum to 1, so rows of
   ``A1 − λ A2 + γ G`` sum to ``1 − λ + γ``, which is 1 exactly when ``γ = λ``, whatever λ.
@@ -26,7 +27,7 @@ g = j // (H / H_kv), V has ``n_kv_heads / 2`` heads of width 2d. DINT adds no pa
 its parameter count equals DIFF V1's (the baseline's plus 4d λ entries and, with a learnable
 head norm, 2d norm weights per layer).
 
-Options (``options`` dict; the paper leaves these open, or is silent on the causal case):
+Options (``options`` dict; what the sources read do not settle, the causal case above all):
 
 * ``integral_rows``: which query rows the column mean of (D4) runs over.
     - ``"visible"`` (default): ``R(i) = {m : query i may attend key m}`` — under the causal
@@ -34,10 +35,10 @@ Options (``options`` dict; the paper leaves these open, or is silent on the caus
       before i plus i itself. It is the only choice that is causal *and* keeps (D6): every
       row m ∈ R(i) attends only keys that i may attend (the mask is transitive; checked), so
       G[i] is a distribution over i's own keys. With a full (bidirectional) mask it equals
-      the paper's plain column mean.
-    - ``"all"``: every row, as in the paper's unmasked formula. With a causal mask this lets
-      query i see keys after i (through later rows of A1): not usable for a decoder LM, kept
-      for encoders and for reference.
+      the plain column mean of the public code.
+    - ``"all"``: every row, the unmasked formula of the public non-causal code. With a causal
+      mask this lets query i see keys after i (through later rows of A1): not usable for a
+      decoder LM, kept for encoders and for reference.
 * ``integral_map``: which softmax map is averaged. ``"first"`` (default; the public code
   averages A1, the "signal" map), ``"second"`` (A2), ``"both"`` ((A1 + A2) / 2). Any choice
   keeps (D6), since rows of each sum to 1.
@@ -70,7 +71,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "integral_map": "first",
     "gamma": "lambda",
 }
-"""The options the paper leaves open, with the defaults chosen (see the module docstring)."""
+"""The options the sources read do not settle, with the defaults chosen (module docstring)."""
 
 
 def resolve_options(options: dict | None) -> dict[str, Any]:

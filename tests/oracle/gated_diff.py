@@ -36,7 +36,8 @@ with ``H_kv`` heads of width 2d, ``o_proj``, ``head_norm.weight``; the λ vector
 DIFF V1 fields (``head_norm``, ``head_norm_learnable``, ``head_norm_eps``), λ_init from
 ``config.lambda_init_for_layer``.
 
-``options`` (the type's own; each one a detail the paper leaves open, defaults in
+``options`` (the type's own; each one a detail the sources read do not settle: the abstract
+names a sigmoid gate per head from the token's input and nothing finer; defaults in
 :data:`DEFAULT_OPTIONS`):
 
 * ``fusion``: ``"subtract"`` | ``"convex"`` (G3). With the per-head RMSNorm on, ``"convex"``

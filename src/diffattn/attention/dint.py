@@ -25,8 +25,10 @@ Options (``attention_options.dint``; what the sources leave open):
 * ``integral_rows``: ``"visible"`` (default): ``R(i)`` is the set of rows query i may see,
   ``m ≤ i`` under the causal mask (a running mean over the prefix), real rows only with padding
   (a padding query's row is its own), rows of its own document when documents are packed. It is
-  causal and keeps D6. ``"all"`` (the paper's unmasked column mean over every row) lets a token
-  read later tokens under the causal mask, so the causal LM refuses it.
+  causal and keeps D6. ``"all"`` (the unmasked column mean over every row, as the one public
+  implementation, a non-causal tabular model by a third party, computes it; how the paper
+  treats causality could not be read) lets a token read later tokens under the causal mask, so
+  the causal LM refuses it.
 * ``integral_map``: the map averaged: ``"first"`` (A1, default; the public code), ``"second"``
   (A2) or ``"both"`` ((A1 + A2)/2).
 * ``gamma``: ``"lambda"`` (default, γ = λ) or a fixed number; ``0.0`` is DIFF V1.
@@ -236,8 +238,9 @@ def _as(gamma: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor | float
 def _integral_rows(value: Any) -> str | None:
     if value == "all":
         return (
-            "'all' averages every query row of the map (the paper's unmasked form), which under "
-            "the causal mask lets a token read later tokens; the causal LM takes 'visible'"
+            "'all' averages every query row of the map (the unmasked form of the public "
+            "non-causal code), which under the causal mask lets a token read later tokens; the "
+            "causal LM takes 'visible'"
         )
     return one_of("visible", "all")(value)
 
@@ -269,8 +272,8 @@ OPTIONS = (
         "integral_rows",
         "visible",
         "the query rows the integral term G averages (D4): 'visible', the rows the query may "
-        "see (causal running mean; real rows; its own document); 'all' (the paper's unmasked "
-        "mean over every row) is refused in the causal LM",
+        "see (causal running mean; real rows; its own document); 'all' (the unmasked mean over "
+        "every row, as the public non-causal code takes it) is refused in the causal LM",
         kind=str,
         check=_integral_rows,
     ),
