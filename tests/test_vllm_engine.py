@@ -2,9 +2,10 @@
 diffattn's own ``generate`` token for token, prompt log-probabilities equal its forward, with
 prefix caching and chunked prefill on and off, GQA and MHA, for the three attention types and
 GDA, stacks of mixed types and a Dex-merged Llama; the KV cache vLLM allocates is measured.
+Tensor-parallel serving: tests/test_vllm_tensor_parallel.py.
 
 One engine per checkpoint serves every test of it (pytest groups the tests by the
-module-scoped fixture), since an engine takes about 15 s to start on two cores.
+module-scoped fixture), since an engine takes 5 to 17 s to start on two cores.
 """
 
 from __future__ import annotations
@@ -21,17 +22,26 @@ pytestmark = [require_extra("hf"), require_vllm(), pytest.mark.vllm]
 import torch
 
 from serve_helpers import VOCAB
-from vllm_helpers import greedy, prompt_ids, save_checkpoint
+from vllm_helpers import (
+    BLOCK,
+    LENGTHS,
+    NEW_TOKENS,
+    greedy,
+    prompt_ids,
+    save_checkpoint,
+    start_engine,
+    vllm_greedy,
+)
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine
+# The engine core runs in the test's process, not in one it spawns, which would import vLLM
+# and torch again: the first engine starts in about 17 s instead of 45 s on two cores, the later
+# ones in 5 s (vLLM is imported once). The server tests
+# (tests/test_vllm_server.py) run vLLM's own multi-process layout.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # LLM.apply_model ships the measuring function to the engine's worker by pickle.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
-BLOCK = 32
-"""KV-cache block size (the CPU backend's smallest): prompts of 129+ tokens span 5+ blocks."""
-NEW_TOKENS = 12
-LENGTHS = (1, 7, 129, 300, 33)
-"""One batch of prompts of different lengths: 1, 7, past one block, past several blocks."""
 CACHING = dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=64)
 """Prefix caching on, and prefill in chunks of at most 64 tokens (a 300-token prompt takes 5)."""
 PLAIN = dict(enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=512)
@@ -84,29 +94,6 @@ def served(request, tmp_path_factory):
     yield request.param, model, llm, settings
     llm.llm_engine.engine_core.shutdown()
     del llm
-
-
-def start_engine(directory, **settings):
-    """A vLLM engine on ``directory`` as every test here starts one: fp32, eager, 512 tokens of
-    context, blocks of :data:`BLOCK`, seeded; ``settings`` add to vLLM's own."""
-    from vllm import LLM
-
-    return LLM(
-        model=str(directory),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        block_size=BLOCK,
-        seed=0,
-        **settings,
-    )
-
-
-def vllm_greedy(llm, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
 def test_greedy_tokens_equal_diffattn_generate(served):
@@ -201,34 +188,3 @@ def test_a_dex_merged_llama_serves_as_the_dex_model_decodes(tmp_path):
                 ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
         expected = ids[0, len(prompt) :].tolist()
         assert list(output.outputs[0].token_ids) == expected, len(prompt)
-
-
-@pytest.mark.parametrize("attention", ["baseline", "diff_v1", "diff_v2", "gda"])
-def test_tensor_parallel_serving_equals_diffattn(attention, tmp_path, monkeypatch):
-    """Two tensor-parallel workers (vLLM's CPU workers, one core each): each holds half of the
-    KV groups (whole (K1, K2) pairs for DIFF V1; for GDA 3:1 also their noise heads' groups of
-    query heads and their signal heads' W_O columns); greedy tokens and prompt log-probabilities
-    equal diffattn's."""
-    from vllm import SamplingParams
-
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one NUMA node: bind by hand
-    model, directory = save_checkpoint(tmp_path, attention, n_kv_heads=4)
-    llm = start_engine(directory, tensor_parallel_size=2, distributed_executor_backend="mp")
-    try:
-        prompts = [prompt_ids(seed, n, VOCAB) for seed, n in enumerate(LENGTHS)]
-        outputs = vllm_greedy(llm, prompts)
-        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-        scored = llm.generate([{"prompt_token_ids": prompts[3]}], params, use_tqdm=False)[0]
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    for prompt, output in zip(prompts, outputs, strict=True):
-        assert list(output.outputs[0].token_ids) == greedy(model, prompt, NEW_TOKENS), len(prompt)
-    with torch.no_grad():
-        expected = torch.log_softmax(model(torch.tensor([prompts[3]])).logits[0].double(), -1)
-    worst = max(
-        abs(
-            scored.prompt_logprobs[t][prompts[3][t]].logprob - expected[t - 1, prompts[3][t]].item()
-        )
-        for t in range(1, len(prompts[3]))
-    )
-    assert worst < 1e-4, worst

