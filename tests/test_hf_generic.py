@@ -132,6 +132,34 @@ def test_hf_config_names_map_or_are_refused():
     assert (config.n_kv_heads, config.ffn_hidden) == (1, 40)
 
 
+def test_num_attention_heads_of_gda_counts_its_signal_heads_both_ways():
+    """GDA's output heads are its signal heads, ``H_s = r·H_n``: ``num_attention_heads`` reads
+    them from the declaration and, given instead of ``n_heads``, sets the ``n_heads`` that
+    makes them under ``ratio`` and ``head_budget``; the maps ``output_attentions`` returns have
+    that many heads."""
+    from diffattn.hf import DiffAttnForCausalLM
+
+    def gda(**fields):
+        return DiffAttnConfig(attention="gda", d_model=64, n_layers=1, vocab_size=32, **fields)
+
+    queries = gda(num_attention_heads=6, n_kv_heads=2, attention_options={"gda": {"ratio": 3}})
+    assert (queries.n_heads, queries.num_attention_heads) == (8, 6)  # 6 signal + 2 noise
+    outputs = {"gda": {"ratio": 2, "head_budget": "outputs"}}
+    budget = gda(num_attention_heads=4, n_kv_heads=4, attention_options=outputs)
+    assert (budget.n_heads, budget.num_attention_heads) == (8, 4)  # H_s = n_heads / 2
+    one_to_one = gda(n_heads=8, n_kv_heads=2, attention_options={"gda": {"ratio": 1}})
+    assert one_to_one.num_attention_heads == 4  # DIFF V1's count
+    budget.num_attention_heads = 8
+    assert budget.n_heads == 16
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    maps = DiffAttnForCausalLM(queries)(input_ids=ids, output_attentions=True).attentions
+    assert maps[0].shape[1] == queries.num_attention_heads
+    with pytest.raises(ValueError, match="n_noise_heads"):
+        gda(num_attention_heads=6, n_kv_heads=2, attention_options={"gda": {"n_noise_heads": 2}})
+    with pytest.raises(ValueError, match="ratio=3"):
+        gda(num_attention_heads=4, n_kv_heads=2, attention_options={"gda": {"ratio": 3}})
+
+
 def test_attributes_set_on_a_config_survive_save_and_load(tmp_path):
     config = DiffAttnConfig(d_model=32, n_heads=4)
     config.layer_norm_eps = 1.0  # a free attribute, as HF's tools set on any config

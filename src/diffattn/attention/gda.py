@@ -6,7 +6,8 @@ noise head serving the ``r`` signal heads of its group ("controlled repetition, 
 
 Source of the equations. The paper's method section could not be read (only its abstract and
 third-party summaries), so the equations and the layout below are *reconstructed* from public
-code of the same authors' ecosystem, which agrees on every point: vLLM's
+code of the same authors' ecosystem, which agrees on the layout and the equations (λ_init is
+DIFF V1's schedule here; Motif's own code was not read): vLLM's
 ``GroupedDifferentialAttentionImpl`` (``v1/attention/backends/grouped_diff_attn.py``, which
 cites 2510.06949) and the Motif-2-12.7B model that uses GDA (40 query heads = 32 signal + 8
 noise, ratio 4). The equation numbers D1-D5 are ours, not the paper's. With head width d,
@@ -204,7 +205,6 @@ class Gda(AttentionType):
     vllm_reason = None  # DIFF V1's call over the signal heads paired with their noise heads
     tensor_parallel = True
     context_parallel_reason = None  # DIFF V1's call: rows over the gathered K/V
-    heads_per_output_head = 2  # exact for ratio 1 and head_budget 'outputs'
 
     # --- heads ----------------------------------------------------------------------------
     def heads(self, config) -> GdaHeads:
@@ -275,6 +275,27 @@ class Gda(AttentionType):
 
     def output_heads(self, config) -> int:
         return self.heads(config).n_signal
+
+    def n_heads_for_output_heads(self, output_heads: int, stored) -> int:
+        """``n_heads`` for ``H_s = output_heads`` signal heads: ``H_s + H_s / r`` with
+        ``head_budget`` 'queries', ``2·H_s`` with 'outputs'; ``ValueError`` when ``r`` does not
+        divide ``H_s``, or when ``n_noise_heads`` fixes the heads (give ``n_heads`` then)."""
+        opts = self.option_values(stored)
+        r, where = opts["ratio"], f"attention_options.{self.name}"
+        if opts["n_noise_heads"] is not None:
+            raise ValueError(
+                f"num_attention_heads cannot give n_heads for gda with {where}.n_noise_heads "
+                "set (the noise heads are fixed; n_heads is the baseline's head budget): give "
+                "n_heads"
+            )
+        if output_heads % r != 0:
+            raise ValueError(
+                f"num_attention_heads={output_heads} signal heads do not split into groups of "
+                f"{where}.ratio={r}"
+            )
+        if opts["head_budget"] == "queries":
+            return output_heads + output_heads // r
+        return 2 * output_heads
 
     def output_width(self, config) -> int:
         return 2 * config.dim_per_head

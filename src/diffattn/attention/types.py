@@ -236,6 +236,12 @@ class AttentionType:
         """Heads the attention outputs (what the probe and analyses count)."""
         return config.n_heads // self.heads_per_output_head
 
+    def n_heads_for_output_heads(self, output_heads: int, stored: Mapping[str, Any] | None) -> int:
+        """The ``n_heads`` whose layers output ``output_heads`` heads under the options
+        ``stored`` (Hugging Face's ``num_attention_heads`` given instead of ``n_heads``);
+        ``ValueError`` when no ``n_heads`` does."""
+        return output_heads * self.heads_per_output_head
+
     def output_width(self, config) -> int:
         """The width of one output head (``output_heads · output_width = n_heads · d``)."""
         return config.n_heads * config.dim_per_head // self.output_heads(config)

@@ -64,19 +64,32 @@ TOKEN_ID_NAMES = ("pad_token_id", "bos_token_id", "eos_token_id")
 """Special token ids every config states (``None`` when the tokenizer has none)."""
 
 
-def _heads_per_output_head(attention: str, layer_types: Any) -> int:
-    """How many of ``n_heads`` make one of HF's ``num_attention_heads`` for the stack of
-    ``attention`` and ``layer_types`` (2 for DIFF V1's differential heads): the count its
-    types share, or 1 when they differ (``num_attention_heads`` is then ``n_heads``) or a name
-    is not registered (``ModelConfig`` then refuses it by name)."""
+def _single_type(attention: str, layer_types: Any):
+    """The declaration of the one type every layer of the stack has, or ``None`` for a stack of
+    mixed types (whose ``num_attention_heads`` is ``n_heads``) or a name not registered
+    (``ModelConfig`` then refuses it by name)."""
     from diffattn.attention.types import attention_type
 
     names = set(layer_types) if isinstance(layer_types, list | tuple) and layer_types else set()
+    names = names or {attention}
+    if len(names) != 1:
+        return None
     try:
-        factors = {attention_type(name).heads_per_output_head for name in names or {attention}}
+        return attention_type(names.pop())
     except (ValueError, TypeError):
-        return 1
-    return factors.pop() if len(factors) == 1 else 1
+        return None
+
+
+def _n_heads_for(output_heads: int, fields: dict[str, Any]) -> int:
+    """``n_heads`` for Hugging Face's ``num_attention_heads`` (the heads W_O reads) under the
+    type and options in ``fields``: the declaration's
+    :meth:`~diffattn.attention.types.AttentionType.n_heads_for_output_heads`."""
+    declared = _single_type(fields.get("attention", "baseline"), fields.get("layer_types"))
+    if declared is None:
+        return output_heads
+    options = fields.get("attention_options") or {}
+    stored = options.get(declared.name) if isinstance(options, dict) else None
+    return declared.n_heads_for_output_heads(output_heads, stored)
 
 
 def _translate(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -94,10 +107,10 @@ def _translate(kwargs: dict[str, Any]) -> dict[str, Any]:
         fields[field] = bool(value) if field == "tie_embeddings" else value
     if "num_attention_heads" in kwargs:
         value = kwargs.pop("num_attention_heads")
-        factor = _heads_per_output_head(
-            fields.get("attention", "baseline"), fields.get("layer_types")
-        )
-        n_heads = int(value) * factor
+        try:
+            n_heads = _n_heads_for(int(value), fields)
+        except ValueError as error:
+            raise ValueError(f"DiffAttnConfig: {error}") from None
         if "n_heads" in fields and fields["n_heads"] != n_heads:
             raise ValueError(
                 f"DiffAttnConfig: num_attention_heads={value!r} means n_heads={n_heads} for "
@@ -172,15 +185,17 @@ class DiffAttnConfig(PretrainedConfig):
     # HF reads these standard names; they are derived from the ModelConfig fields.
     @property
     def num_attention_heads(self) -> int:
-        """Heads whose maps ``output_attentions`` returns: the heads W_O reads (``n_heads``
-        for the baseline and DIFF V2, ``n_heads / 2`` differential heads for DIFF V1;
-        ``n_heads`` for a stack whose types count them differently)."""
-        return self.n_heads // _heads_per_output_head(self.attention, self._layer_types)
+        """Heads whose maps ``output_attentions`` returns: the heads W_O reads, as the type
+        declares them (``n_heads`` for the baseline and DIFF V2, ``n_heads / 2`` differential
+        heads for DIFF V1, the signal heads for GDA; ``n_heads`` for a stack of mixed types)."""
+        declared = _single_type(self.attention, self._layer_types)
+        if declared is None:
+            return self.n_heads
+        return declared.output_heads(self.to_model_config())
 
     @num_attention_heads.setter
     def num_attention_heads(self, value: int) -> None:
-        factor = _heads_per_output_head(getattr(self, "attention", "baseline"), self._layer_types)
-        self.n_heads = int(value) * factor
+        self.n_heads = _n_heads_for(int(value), self._field_values())
 
     @property
     def layer_types(self) -> list[str] | None:
