@@ -120,8 +120,9 @@ def test_errors_are_clear():
 def test_unsupported_models():
     with pytest.raises(ValueError, match=r"no supported attention modules.*LlamaForCausalLM"):
         dex.apply(nn.Sequential(nn.Linear(4, 4)), "all", anneal_steps=1)
-    with pytest.raises(ValueError, match="already differential attention"):
-        dex.apply(tiny_diffattn("diff_v1"), "all", anneal_steps=1)
+    for attention in ("diff_v1", "diff_v2", "gda", "dint", "gated_diff"):  # every declared one
+        with pytest.raises(ValueError, match="already differential attention"):
+            dex.apply(tiny_diffattn(attention), "all", anneal_steps=1)
 
     class Conv1x1(nn.Module):  # an o_proj that is not an nn.Linear
         def forward(self, x):

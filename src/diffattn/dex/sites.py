@@ -56,10 +56,15 @@ def _head_dim(name: str, module: nn.Module) -> int:
 
 
 def _is_differential(module: nn.Module) -> bool:
-    from diffattn.attention import DiffAttentionV1, DiffAttentionV2
+    """Whether ``module`` is differential attention: the module of a registered type that
+    declares itself ``differential`` (DIFF V1/V2, GDA, DINT, gated DIFF, or one from another
+    package), or one with a λ of its own (HF's DiffLlama: ``lambda_q1``)."""
+    from diffattn.attention.types import attention_type, attention_type_names
 
-    if isinstance(module, DiffAttentionV1 | DiffAttentionV2):
-        return True
+    for name in attention_type_names():
+        declared = attention_type(name)
+        if declared.differential and isinstance(module, declared.module):
+            return True
     return any(hasattr(module, marker) for marker in _DIFFERENTIAL_MARKERS)
 
 
