@@ -30,15 +30,11 @@ from vllm_helpers import (
     prompt_ids,
     save_checkpoint,
     start_engine,
+    use_in_process_engines,
     vllm_greedy,
 )
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine
-# The engine core runs in the test's process, not in one it spawns, which would import vLLM
-# and torch again: the first engine starts in about 17 s instead of 45 s on two cores, the later
-# ones in 5 s (vLLM is imported once). The server tests
-# (tests/test_vllm_server.py) run vLLM's own multi-process layout.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+use_in_process_engines()
 # LLM.apply_model ships the measuring function to the engine's worker by pickle.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 

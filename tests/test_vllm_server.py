@@ -37,7 +37,13 @@ def serve_argv(model: Path, *options: str) -> list[str]:
 
 def environment() -> dict[str, str]:
     path = os.pathsep.join(filter(None, (str(SRC), os.environ.get("PYTHONPATH"))))
-    return {**os.environ, "PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # vLLM's own multi-process server, whatever tests/test_vllm_engine.py set in this process
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    }
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ own, so that CI's vLLM stage runs it beside tests/test_vllm_engine.py on its sec
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from extras import require_extra
@@ -24,15 +22,11 @@ from vllm_helpers import (
     prompt_ids,
     save_checkpoint,
     start_engine,
+    use_in_process_engines,
     vllm_greedy,
 )
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine
-# The engine core runs in the test's process, not in one it spawns, which would import vLLM
-# and torch again: the first engine starts in about 17 s instead of 45 s on two cores, the later
-# ones in 5 s (vLLM is imported once). The server tests
-# (tests/test_vllm_server.py) run vLLM's own multi-process layout.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+use_in_process_engines()
 
 
 @pytest.mark.parametrize("attention", ["baseline", "diff_v1", "diff_v2", "gda"])
