@@ -176,26 +176,38 @@ def test_one_decode_step_compiles_with_fullgraph(attention):
     assert out.logits.shape == (2, 1, 128)
 
 
+REGISTRATION_CHECK = """
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+config = AutoConfig.for_model("diffattn", vocab_size=64, d_model=32, n_layers=1, n_heads=4)
+model = AutoModelForCausalLM.from_config(config)
+causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+print(type(config).__name__, causal_lm.__name__, type(model).__name__)
+"""
+
+
 @pytest.mark.parametrize(
     "order",
     [
+        "import sys, diffattn; assert 'transformers' not in sys.modules, 'imported transformers'",
+        "import transformers; import diffattn",
         "import diffattn; from diffattn.hf import DiffAttnConfig; import transformers",
         "from diffattn.hf import DiffAttnForCausalLM; import transformers",
-        "import transformers; import diffattn",
-        "import diffattn; import transformers",
+        "from diffattn.hf.configuration import DiffAttnConfig",
+        "from diffattn.hf.modeling import DiffAttnForCausalLM",
     ],
 )
 def test_registration_does_not_depend_on_import_order(order):
-    code = (
-        f"{order}\nfrom transformers import AutoConfig, AutoModelForCausalLM\n"
-        "config = AutoConfig.for_model('diffattn', vocab_size=64, d_model=32, n_layers=1, "
-        "n_heads=4)\nprint(type(AutoModelForCausalLM.from_config(config)).__name__)"
-    )
+    """In a fresh process, whatever is imported first: ``import diffattn`` does not import
+    transformers, yet registers both Auto classes on transformers' import; the configuration
+    module, which does not import the modeling one, still pairs them
+    (:mod:`diffattn.hf.autoregister`); and no UserWarning is raised on the way."""
+    code = f"{order}\n{REGISTRATION_CHECK}"
     result = subprocess.run(
         [sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "DiffAttnForCausalLM"
+    assert result.stdout.split() == ["DiffAttnConfig", "DiffAttnForCausalLM", "DiffAttnForCausalLM"]
 
 
 @pytest.mark.extra("hf")

@@ -18,12 +18,8 @@ a string does not break one (the test sees it).
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
-
-import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "diffattn"
 
@@ -188,31 +184,3 @@ def test_no_import_circles():
     graph = import_graph()
     circles = [c for c in strongly_connected(graph) if len(c) > 1]
     assert not circles, "\n".join(describe(c, graph) for c in sorted(circles))
-
-
-AUTO_CLASSES_CHECK = """
-from transformers import AutoConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-config = AutoConfig.for_model("diffattn", d_model=32, n_heads=2, n_layers=1)
-print(type(config).__name__, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__)
-"""
-
-
-@pytest.mark.extra("hf")
-@pytest.mark.parametrize(
-    "first",
-    [
-        "from diffattn.hf.configuration import DiffAttnConfig",
-        "from diffattn.hf.modeling import DiffAttnForCausalLM",
-        "import diffattn, transformers",
-        "import transformers, diffattn",
-    ],
-)
-def test_both_auto_classes_know_diffattn_whatever_is_imported_first(first):
-    """The configuration module no longer imports the modeling one; the registration hook pairs
-    them (:mod:`diffattn.hf.autoregister`)."""
-    run = [sys.executable, "-c", first + "\n" + AUTO_CLASSES_CHECK]
-    out = subprocess.run(run, capture_output=True, text=True, check=False)
-    assert (out.returncode, out.stdout.split()) == (0, ["DiffAttnConfig", "DiffAttnForCausalLM"]), (
-        out.stderr
-    )

@@ -19,8 +19,7 @@ from diffattn.attention.types import attention_type, attention_type_names
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "diffattn"
 
-NOT_YET: dict[str, int] = {
-}
+NOT_YET: dict[str, int] = {}
 
 
 def _type_modules() -> set[Path]:
