@@ -41,8 +41,9 @@ def _run_cases(interpret: bool, *selection: str, autotune: bool = True, dq: str 
         "matches_reference and not 129",
         "matches_reference and 129",
         "every_head_width",
-        "model or synchronisation or compiled or opcheck or bad_lambda or wrong_shape",
+        "strided or synchronisation or compiled or opcheck or bad_lambda or wrong_shape",
         "packed_documents",
+        "a_model_trains",
     ],
 )
 def test_triton_kernels_under_the_interpreter(selection):
