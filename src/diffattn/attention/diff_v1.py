@@ -63,6 +63,15 @@ def head_norm_for(config: ModelConfig, d: int) -> RMSNorm | None:
     return RMSNorm(2 * d, config.head_norm_eps, learnable=config.head_norm_learnable)
 
 
+def paired_heads_text(config: ModelConfig) -> str:
+    """DIFF V1's heads in words, for the declarations' ``describe`` of every type on them."""
+    d = config.dim_per_head
+    return (
+        f"{config.n_heads // 2} differential heads (Q1, Q2 of width {d}), "
+        f"{config.num_kv_heads // 2} KV groups with V of width {2 * d}"
+    )
+
+
 class DiffAttentionV1(ProjectedAttention):
     """Eq.3: ``Concat((1 − λ_init)·RMSNorm(DiffAttn_j(X))) W_O`` with λ from Eq.2."""
 
@@ -258,11 +267,7 @@ class DiffV1(AttentionType):
         return config.lambda_init_for_layer(layer_index)
 
     def describe(self, config) -> str:
-        d = config.dim_per_head
-        return (
-            f"DIFF V1: {config.n_heads // 2} differential heads (Q1, Q2 of width {d}), "
-            f"{config.num_kv_heads // 2} KV groups with V of width {2 * d}"
-        )
+        return f"DIFF V1: {paired_heads_text(config)}"
 
 
 DIFF_V1 = register_attention_type(DiffV1())

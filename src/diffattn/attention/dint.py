@@ -61,7 +61,12 @@ from typing import Any
 import torch
 
 from diffattn.attention.common import AttentionMaps, with_maps
-from diffattn.attention.diff_v1 import DIFF_V1, DiffAttentionV1, reparameterised_lambda
+from diffattn.attention.diff_v1 import (
+    DIFF_V1,
+    DiffAttentionV1,
+    paired_heads_text,
+    reparameterised_lambda,
+)
 from diffattn.attention.differential_common import PairedHeadsType, one_of, output_from_map
 from diffattn.attention.kernels import differential_attention, softmax_attention
 from diffattn.attention.mask import AttentionMask
@@ -342,11 +347,10 @@ class Dint(PairedHeadsType):
         return {"": replicated(stream=False)}
 
     def describe(self, config) -> str:
-        d, options = config.dim_per_head, config.options_of(self.name)
+        options = config.options_of(self.name)
         return (
-            f"DINT: {config.n_heads // 2} differential heads (Q1, Q2 of width {d}), "
-            f"{config.num_kv_heads // 2} KV groups with V of width {2 * d}, integral term of "
-            f"the {options['integral_map']} map, γ = {options['gamma']}"
+            f"DINT: {paired_heads_text(config)}, integral term of the "
+            f"{options['integral_map']} map, γ = {options['gamma']}"
         )
 
 

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from diffattn.attention.common import AttentionMaps, ProjectedAttention, with_maps
-from diffattn.attention.diff_v1 import head_norm_for
+from diffattn.attention.diff_v1 import head_norm_for, paired_heads_text
 from diffattn.attention.differential_common import PairedHeadsType, one_of, output_from_map
 from diffattn.attention.kernels import differential_attention_v2
 from diffattn.attention.types import TypeOption, register_attention_type
@@ -228,12 +228,8 @@ class GatedDiff(PairedHeadsType):
         return {"gate_proj": colwise(), "": replicated(stream=False)}
 
     def describe(self, config) -> str:
-        d, options = config.dim_per_head, config.options_of(self.name)
-        return (
-            f"Gated DIFF ({options['fusion']}): {config.n_heads // 2} differential heads "
-            f"(Q1, Q2 of width {d}) with a per-token gate, {config.num_kv_heads // 2} KV groups "
-            f"with V of width {2 * d}"
-        )
+        fusion = config.options_of(self.name)["fusion"]
+        return f"Gated DIFF ({fusion}): {paired_heads_text(config)}, a gate per head and token"
 
 
 GATED_DIFF = register_attention_type(GatedDiff())
