@@ -52,8 +52,10 @@ def test_freed_tensors_are_kept_and_reused_instead_of_faulted_in_again():
     # version and the kernel's huge pages, so only the kept side's count is pinned
     assert default_held < 16, default_held
     assert kept_held > 60, kept_held
-    # kept: the ten later steps reuse the same pages, faulting in under 5 % of what they touch
-    assert kept_faults < 10 * PAGES_PER_STEP * 0.05, kept_faults
+    # kept: the ten later steps reuse the same pages, faulting in less than one step touches
+    # (the default faults every step's pages in again: 163,525 of 163,840 here). Measured kept:
+    # 4,096 on an idle machine, 8,192 in a fresh-clone CI run with pip installing beside it.
+    assert kept_faults < PAGES_PER_STEP, kept_faults
     assert kept_faults < default_faults, (kept_faults, default_faults)
 
 
