@@ -16,6 +16,7 @@ the GPU refuses at run time for a case still has to give the right result (the c
 from __future__ import annotations
 
 import functools
+import zlib
 
 import pytest
 import torch
@@ -38,6 +39,10 @@ TOLERANCE = {
     ("cuda", torch.bfloat16): (2e-2, 5e-2),
 }
 """(output, gradient) tolerance: max |error| over the largest reference value, per tensor."""
+LAMBDA_BF16_TOLERANCE = 0.1
+"""DIFF V1's λ gradient in bf16, on the op's gradient scale: a sum over every output whose
+terms cancel. Over 200 random draws of the CPU bf16 case (N = 7, left padding, GQA) the error
+reached 0.084 on ``sdpa`` and 0.080 on ``reference`` (median 0.003), 0.048 on ``fused``."""
 
 CUDA_SHAPES = [
     *[(1, 1, "none", gqa) for gqa in (1, 2)],
@@ -90,7 +95,8 @@ def _shapes(entry: str, bsz: int, n: int, s: int, d: int, gqa: int) -> list[tupl
 def _inputs(entry, device, dtype, bsz, n, s, d, gqa) -> list[torch.Tensor]:
     """Leaves on ``device``: random in ``dtype`` (DIFF V1's λ in fp32, as the model keeps
     it), seeded by the case."""
-    generator = torch.Generator().manual_seed(hash((entry, bsz, n, s, d, gqa)) % 2**31)
+    case = repr((entry, bsz, n, s, d, gqa)).encode()
+    generator = torch.Generator().manual_seed(zlib.crc32(case))  # hash() of a str varies by run
     tensors = []
     for shape in _shapes(entry, bsz, n, s, d, gqa):
         if shape == ():
@@ -183,7 +189,8 @@ def test_backend_matches_float64_attention(device, entry, backend, dtype, d, n, 
         # key: the softmax is constant) are judged on the op's gradient scale.
         own = float(g_exact.abs().max())
         is_lambda = entry != "softmax" and i == len(tensors) - 1
-        assert _rel(g, g_exact, grad_scale if is_lambda or own == 0 else own) <= grad_tol, i
+        tol = LAMBDA_BF16_TOLERANCE if is_lambda and dtype == torch.bfloat16 else grad_tol
+        assert _rel(g, g_exact, grad_scale if is_lambda or own == 0 else own) <= tol, i
     with torch.enable_grad():
         call = auto.Call.of(entry, tuple(tensors), mask)
     refused = auto.refused(call).get(backend)
