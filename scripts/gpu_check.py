@@ -1,6 +1,6 @@
 """The GPU check: one command that measures what a short GPU loan can tell, most valuable first.
 
-    PYTHONPATH=src python scripts/gpu_check.py              # everything, about 7.5 minutes
+    PYTHONPATH=src python scripts/gpu_check.py              # everything, at most about 8 minutes
     PYTHONPATH=src python scripts/gpu_check.py --quick      # a shorter version
     PYTHONPATH=src python scripts/gpu_check.py --steps a,c  # the CUDA tests and the bench only
     PYTHONPATH=src python scripts/gpu_check.py --dry-run    # the plan and its budgets
@@ -12,13 +12,15 @@ a. the CUDA tests (``pytest -m gpu``, which replaces the default ``-m 'not slow 
 b. ``diffattn backends --time`` on CUDA;
 c. ``diffattn bench`` in bf16, d_model 2048, 4 layers: fwd+bwd at N = 2048, 4096, 8192 with
    heads of width 64 and 128, compiled (at N = 4096) and not; decode (prompt 2048, 64 new
-   tokens, 8 KV heads, batch 4), compiled and not; ``--json``, so the report holds the ratios;
+   tokens, 8 KV heads, batch 4), compiled and not; GDA at 1:1 (which must run at DIFF V1's
+   speed on the Triton kernel) and 3:1 beside DIFF V1 at N = 4096, 8 KV heads; ``--json``, so
+   the report holds the ratios;
 d. a profile of each model's training step (``scripts/profile_models.py``, CUDA time);
 e. a compiled bf16 training run (``diffattn train configs/tiny.yaml``, a few steps).
 
 Each command runs with this interpreter and ``PYTHONPATH=<checkout>/src`` (nothing needs to be
 installed), under its own time budget: a step that fails or runs out of time is recorded and
-the next one starts. ``--budget`` (default 450 s) caps the whole run; a step that would start
+the next one starts. ``--budget`` (default 475 s) caps the whole run; a step that would start
 with less than :data:`MIN_STEP_S` left is skipped. The report,
 ``docs/gpu/YYYY-MM-DD-<device>.md``, names the device and the versions and gives each step's
 command, wall time, status, ratio tables and output; the raw results are beside it in a
@@ -44,7 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_BUDGET_S = 450
+DEFAULT_BUDGET_S = 475
 LIMIT_S = 480
 """The most the whole check may take (8 minutes): ``--budget`` cannot exceed it."""
 MIN_STEP_S = 20
@@ -156,6 +158,21 @@ def plan(quick: bool = False, train_out: str = "<tmp>") -> list[Step]:
         ),
         _bench("c4", "decode", 20, *decode),
         _bench("c5", "decode compiled (CUDA graphs)", 40, *decode, "--no-hf", "--compile"),
+        _bench(
+            "c6",
+            "GDA 1:1 and 3:1 beside DIFF V1, fwd+bwd",
+            25,
+            "--mode",
+            "fwd+bwd",
+            "--seq-len",
+            "4096",
+            "--models",
+            "baseline,diff_v1,gda:ratio=1,gda",
+            "--kv-heads",
+            "8",  # 3:1 needs its 8 noise heads to split evenly over the KV groups
+            "--no-hf",
+            *timed,
+        ),
         Step(
             "d",
             "profile of each model's training step",
