@@ -4,9 +4,7 @@ The scan reads every module of ``src/diffattn`` and finds comparisons (``==``, `
 ``not in``) and ``match`` cases whose string constants name a registered attention type. The
 types' own modules (each declaration's ``module`` and the module that declares it) may; any
 other module must ask the declaration (``config.type_of_layer(i)``,
-``diffattn.attention.types.attention_type``). :data:`NOT_YET` lists the modules whose branches
-are still to move into declarations, with their counts: the count may fall, never rise, and a
-module missing from it may have none.
+``diffattn.attention.types.attention_type``). None is left anywhere else.
 """
 
 from __future__ import annotations
@@ -18,8 +16,6 @@ from pathlib import Path
 from diffattn.attention.types import attention_type, attention_type_names
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "diffattn"
-
-NOT_YET: dict[str, int] = {}
 
 
 def _type_modules() -> set[Path]:
@@ -68,21 +64,13 @@ def _branches() -> dict[str, list[tuple[int, str]]]:
 
 def test_no_module_outside_the_types_branches_on_a_type_name():
     found = _branches()
-    grown = {path: hits for path, hits in found.items() if len(hits) > NOT_YET.get(path, 0)}
-    assert not grown, (
+    assert not found, (
         "branches on an attention type's name outside its module (ask the declaration, "
         "config.type_of_layer(i), instead):\n"
         + "\n".join(
-            f"  {path}:{line} {name!r}" for path, hits in grown.items() for line, name in hits
+            f"  {path}:{line} {name!r}" for path, hits in found.items() for line, name in hits
         )
     )
-
-
-def test_the_list_of_modules_still_to_move_is_exact():
-    """A module that lost its branches leaves :data:`NOT_YET` (its count cannot rise again)."""
-    found = {path: len(hits) for path, hits in _branches().items()}
-    stale = {path: n for path, n in NOT_YET.items() if found.get(path, 0) < n}
-    assert not stale, f"lower these counts in NOT_YET to what remains: {stale} (now {found})"
 
 
 def test_the_scan_finds_each_kind_of_branch():
